@@ -1,0 +1,347 @@
+"""The online acceptance estimator: confidence_i = sigmoid(omega * f + beta_i).
+
+This module owns the K + 1 parameters (one slope omega shared by all positions, one
+intercept beta_i per draft position i = 1..K), the O(K) sufficient statistics that
+labelled slots add to, and the damped Newton (IRLS) refit that consumes them
+(estimator.md). It must not know about models, drafters, the planner, the engine or
+the server: it sees features `# [B, K]` and the counts of admitted and accepted slots.
+
+Defaults come from `EstimatorConfig`: omega = 1 and beta = 0, so the unfitted
+estimator's confidence is raw q_max; one damped Newton step every 100 observe calls
+with n0 = 50; ridge 1e-3; features clamped to [-40, 40].
+
+Precision and placement: parameters, statistics and confidences are float64 on the
+estimator's `device` (default CPU; a keyword this module adds to the specified
+constructor); inputs of any float dtype and device are converted.
+
+Details estimator.md leaves open, decided here:
+- Steps are counted per `observe` call, including calls with no labelled slot (B = 0
+  or nothing admitted), so "every N decode steps" holds on an idle server too.
+- The ridge lambda is added to the Newton system only (A + lambda, c_i + lambda),
+  not to the likelihood, so the fixed point is the unpenalised maximum likelihood fit.
+- A refit with no labels is a no-op that still resets the step counter. A skipped
+  step (not finite, or the damped step would make omega negative) discards its
+  statistics too: they were taken at the current parameters and the next interval
+  collects fresh ones. With n0 = 0, a position without labels gets damping factor 0.
+- `state_dict` holds parameters, pending statistics and counters, not the config: the
+  config belongs to the engine's configuration and is passed to the constructor.
+- `observe` ignores slots whose feature is not finite (NaN padding, +/-inf): they get
+  no label. `score` clamps +/-inf to +/-clamp and returns NaN for NaN.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from specav.config import EstimatorConfig
+
+_DTYPE = torch.float64
+# Rows of the statistics tensor # [6, K]: sums over labelled slots at position i of
+_STATS = ("a", "b", "c", "g0", "g1", "n")  # w f^2, w f, w, r f, r, count  (w = p(1-p), r = y - p)
+
+
+def survival(confidences: torch.Tensor) -> torch.Tensor:
+    """P(slots 1..i all accepted): cumulative product along K.  # [B, K] -> [B, K]
+
+    NaN (padding) propagates to every deeper slot, which is padding too.
+    """
+    return torch.cumprod(confidences, dim=-1)
+
+
+@dataclass(frozen=True, slots=True)
+class NewtonStep:
+    """An undamped Newton step in (omega, beta_1..beta_K)."""
+
+    slope: float
+    intercepts: torch.Tensor  # [K] float64
+
+
+def newton_step(statistics: torch.Tensor, ridge: float) -> NewtonStep:
+    """Solve (H + ridge I) d = g for the arrowhead Hessian by Schur complement, in O(K).
+
+    statistics: # [6, K] rows a, b, c, g0, g1, n (see `_STATS`).
+    H = [[sum a, b^T], [b, diag(c)]], g = [sum g0, g1].
+    """
+    a, b, c, g0, g1, _ = statistics
+    c_ridge = c + ridge
+    schur = a.sum() + ridge - (b * b / c_ridge).sum()
+    d_slope = (g0.sum() - (b * g1 / c_ridge).sum()) / schur
+    d_intercepts = (g1 - b * d_slope) / c_ridge
+    return NewtonStep(slope=float(d_slope), intercepts=d_intercepts)
+
+
+class RefitOutcome(enum.StrEnum):
+    APPLIED = "applied"
+    NO_LABELS = "no_labels"  # nothing labelled since the last refit
+    NON_FINITE = "non_finite"  # the Newton step is NaN or inf
+    NEGATIVE_SLOPE = "negative_slope"  # the damped step would make omega < 0
+
+
+@dataclass(frozen=True, slots=True)
+class RefitResult:
+    """What one refit did.
+
+    newton_*: the undamped step the statistics asked for; delta_*: what was added to the
+    parameters (the damped step, or zeros when skipped).
+    """
+
+    outcome: RefitOutcome
+    num_labels: int
+    num_labels_per_slot: torch.Tensor  # [K] int64
+    newton_slope: float
+    newton_intercepts: torch.Tensor  # [K] float64
+    delta_slope: float
+    delta_intercepts: torch.Tensor  # [K] float64
+
+    @property
+    def applied(self) -> bool:
+        return self.outcome is RefitOutcome.APPLIED
+
+
+def _damping(count: torch.Tensor, n0: float) -> torch.Tensor:
+    """n / (n + n0), and 0 where both are 0."""
+    total = count + n0
+    return torch.where(total > 0, count / total.clamp(min=1e-300), 0.0)
+
+
+class OnlineAcceptanceEstimator:
+    """Confidence per slot from logit(q_max), calibrated online by damped IRLS.
+
+    Usage per engine step: `score(features)` before planning, `observe(features,
+    num_admitted, num_accepted)` after verification with the same features. Admitted
+    slots are the first num_admitted[b] of each request (the planner admits by
+    survival, which never increases along a request).
+    """
+
+    name = "online_estimator"
+
+    def __init__(self, num_slots: int, config: EstimatorConfig = EstimatorConfig(),
+                 device: torch.device | str = "cpu") -> None:
+        if not isinstance(num_slots, int) or num_slots < 1:
+            raise ValueError(f"num_slots = {num_slots!r} is invalid: pass the number of draft "
+                             "slots K (speculative num_speculative_tokens), an integer >= 1")
+        self.config = config
+        self.device = torch.device(device)
+        self._num_slots = num_slots
+        self._slope = torch.tensor(float(config.init_slope), dtype=_DTYPE, device=self.device)
+        self._intercepts = torch.full((num_slots,), float(config.init_intercept), dtype=_DTYPE,
+                                      device=self.device)
+        self._stats = torch.zeros(len(_STATS), num_slots, dtype=_DTYPE, device=self.device)
+        self._positions = torch.arange(num_slots, device=self.device)
+        self.steps_since_refit = 0
+        self.total_steps = 0
+        self.num_refits = 0
+        self.num_skipped = 0
+        self.last_refit: RefitResult | None = None
+
+    # ---- parameters -------------------------------------------------------------
+
+    @property
+    def num_slots(self) -> int:
+        return self._num_slots
+
+    @property
+    def slope(self) -> float:
+        """omega, the shared slope."""
+        return float(self._slope)
+
+    @property
+    def intercepts(self) -> torch.Tensor:
+        """beta_1..beta_K.  # [K] float64 (a copy)"""
+        return self._intercepts.clone()
+
+    @property
+    def statistics(self) -> dict[str, torch.Tensor]:
+        """Pending sufficient statistics by name (a, b, c, g0, g1, n), each # [K] (copies)."""
+        return {k: v.clone() for k, v in zip(_STATS, self._stats)}
+
+    # ---- score ------------------------------------------------------------------
+
+    def _features(self, features: torch.Tensor) -> torch.Tensor:
+        """Validated features as float64 on the estimator's device, not yet clamped.  # [B, K]"""
+        if not isinstance(features, torch.Tensor) or features.ndim != 2 \
+                or features.shape[1] != self._num_slots:
+            shape = tuple(features.shape) if isinstance(features, torch.Tensor) else type(features)
+            raise ValueError(f"features must be a [B, K] tensor with K = {self._num_slots} "
+                             f"(NaN for undrafted slots), got {shape}")
+        if not features.dtype.is_floating_point:
+            raise ValueError(f"features must be a float tensor (logit(q_max)), got {features.dtype}")
+        return features.to(device=self.device, dtype=_DTYPE)
+
+    def _confidences(self, f: torch.Tensor) -> torch.Tensor:
+        """sigmoid(omega * f + beta_i) for clamped features.  # [B, K] -> [B, K]"""
+        return torch.sigmoid(torch.addcmul(self._intercepts, f, self._slope))
+
+    def score(self, features: torch.Tensor) -> torch.Tensor:
+        """Confidence per slot.  features # [B, K] logit(q_max) -> # [B, K] float64.
+
+        +/-inf features are clamped to +/-feature_clamp; NaN (undrafted slot) gives NaN.
+        """
+        clamp = self.config.feature_clamp
+        return self._confidences(self._features(features).clamp(-clamp, clamp))
+
+    def survival(self, confidences: torch.Tensor) -> torch.Tensor:
+        """Cumulative product of confidences along K.  # [B, K] -> [B, K]"""
+        return survival(confidences)
+
+    # ---- observe ----------------------------------------------------------------
+
+    def _counts(self, counts: Any, what: str, batch: int) -> torch.Tensor:
+        t = torch.as_tensor(counts, device=self.device)
+        if t.dtype.is_floating_point or t.dtype == torch.bool or t.dtype.is_complex:
+            raise ValueError(f"{what} must be integer counts per request, got dtype {t.dtype}; "
+                             "pass an int64 tensor of shape [B]")
+        if t.shape != (batch,):
+            raise ValueError(f"{what} must have shape [B] = [{batch}] (one count per request "
+                             f"of features [B, K]), got {tuple(t.shape)}")
+        return t
+
+    def _check_counts(self, num_admitted: torch.Tensor, num_accepted: torch.Tensor) -> None:
+        """0 <= num_accepted <= num_admitted <= K per request, else an error naming the requests."""
+        k = self._num_slots
+        bad = (num_accepted < 0) | (num_accepted > num_admitted) | (num_admitted > k)
+        if not bool(bad.any()):
+            return
+        rows = bad.nonzero().flatten().tolist()
+        if bool((num_admitted[bad] > k).any()):
+            raise ValueError(f"num_admitted must lie in [0, K = {k}]; requests {rows} have "
+                             f"{num_admitted[bad].tolist()}")
+        raise ValueError(f"num_accepted must lie in [0, num_admitted] per request; requests "
+                         f"{rows} violate it (num_accepted {num_accepted[bad].tolist()}, "
+                         f"num_admitted {num_admitted[bad].tolist()})")
+
+    def _labels(self, num_admitted: torch.Tensor, num_accepted: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Label mask and labels # [B, K]: slots 1..a are 1, slot a+1 is 0 if a < k, rest none."""
+        pos = self._positions
+        labelled = pos < torch.minimum(num_accepted + 1, num_admitted).unsqueeze(1)
+        accepted = pos < num_accepted.unsqueeze(1)
+        return labelled, accepted
+
+    def observe(self, features: torch.Tensor, num_admitted: torch.Tensor,
+                num_accepted: torch.Tensor) -> None:
+        """Add one step's labelled slots to the statistics; refit every refit_interval calls.
+
+        features: # [B, K], the same features that were scored; num_admitted: # [B] int,
+        slots verified per request (a prefix); num_accepted: # [B] int, accepted among them.
+        """
+        f = self._features(features)
+        admitted = self._counts(num_admitted, "num_admitted", f.shape[0])
+        accepted = self._counts(num_accepted, "num_accepted", f.shape[0])
+        self._check_counts(admitted, accepted)
+        labelled, y = self._labels(admitted, accepted)
+        labelled &= torch.isfinite(f)
+        self._accumulate(f, labelled, y)
+        self.steps_since_refit += 1
+        self.total_steps += 1
+        if self.steps_since_refit >= self.config.refit_interval:
+            self.refit()
+
+    def _accumulate(self, f: torch.Tensor, labelled: torch.Tensor, y: torch.Tensor) -> None:
+        """stats += sums over requests of the labelled slots' terms, at the current parameters.
+
+        f: # [B, K] finite where labelled; labelled, y: # [B, K] bool.
+        """
+        clamp = self.config.feature_clamp
+        m = labelled.to(_DTYPE)
+        f = torch.where(labelled, f, 0.0).clamp_(-clamp, clamp)
+        p = self._confidences(f)
+        r = (y.to(_DTYPE) - p).mul_(m)
+        w = (p - p * p).mul_(m)
+        wf = w * f
+        terms = torch.stack((wf * f, wf, w, r * f, r, m))  # [6, B, K]
+        self._stats += terms.sum(dim=1)
+
+    # ---- refit ------------------------------------------------------------------
+
+    def refit(self) -> RefitResult:
+        """Take one damped Newton step from the pending statistics, then zero them."""
+        counts = self._stats[5]
+        n = float(counts.sum())
+        step = newton_step(self._stats, self.config.ridge)
+        outcome, d_slope, d_intercepts = self._damped(step, counts, n)
+        if outcome is RefitOutcome.APPLIED:
+            self._slope += d_slope
+            self._intercepts += d_intercepts
+        else:
+            if outcome is not RefitOutcome.NO_LABELS:
+                self.num_skipped += 1
+            d_slope, d_intercepts = 0.0, torch.zeros_like(self._intercepts)
+        result = RefitResult(outcome, int(round(n)), counts.round().long(), step.slope,
+                             step.intercepts, d_slope, d_intercepts)
+        self._stats.zero_()
+        self.steps_since_refit = 0
+        self.num_refits += 1
+        self.last_refit = result
+        return result
+
+    def _damped(self, step: NewtonStep, counts: torch.Tensor, n: float
+                ) -> tuple[RefitOutcome, float, torch.Tensor]:
+        n0 = self.config.damping_n0
+        d_slope = step.slope * (n / (n + n0) if n + n0 > 0 else 0.0)
+        d_intercepts = step.intercepts * _damping(counts, n0)
+        if n == 0:
+            return RefitOutcome.NO_LABELS, d_slope, d_intercepts
+        if not (math.isfinite(d_slope) and bool(torch.isfinite(d_intercepts).all())):
+            return RefitOutcome.NON_FINITE, d_slope, d_intercepts
+        if self.slope + d_slope < 0:
+            return RefitOutcome.NEGATIVE_SLOPE, d_slope, d_intercepts
+        return RefitOutcome.APPLIED, d_slope, d_intercepts
+
+    # ---- merge and state --------------------------------------------------------
+
+    def merge(self, other: "OnlineAcceptanceEstimator") -> None:
+        """Add another estimator's pending statistics to this one's (replicas, shards).
+
+        Both must have the same K and exactly the same parameters: the statistics are a
+        Taylor expansion at the parameters that produced them, and sums taken at different
+        points describe no single Newton step. Step counters are not added.
+        """
+        if other.num_slots != self._num_slots:
+            raise ValueError(f"cannot merge an estimator with K = {other.num_slots} into one with "
+                             f"K = {self._num_slots}: statistics are per draft position")
+        same = torch.equal(other._slope.to(self.device), self._slope) and \
+            torch.equal(other._intercepts.to(self.device), self._intercepts)
+        if not same:
+            raise ValueError(
+                "cannot merge statistics collected at different parameters (slope "
+                f"{other.slope} vs {self.slope}, intercepts {other.intercepts.tolist()} vs "
+                f"{self.intercepts.tolist()}): each sum is evaluated at the parameters that "
+                "produced its confidences. Keep replicas in sync (load one state_dict into all "
+                "after each refit) and merge before refitting.")
+        self._stats += other._stats.to(self.device)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Parameters, pending statistics and counters as plain values and tensors (copies)."""
+        return {
+            "num_slots": self._num_slots,
+            "slope": self._slope.clone(),
+            "intercepts": self._intercepts.clone(),
+            "statistics": self._stats.clone(),
+            "steps_since_refit": self.steps_since_refit,
+            "total_steps": self.total_steps,
+            "num_refits": self.num_refits,
+            "num_skipped": self.num_skipped,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore exactly what `state_dict` returned (same K required)."""
+        if state.get("num_slots") != self._num_slots:
+            raise ValueError(f"state has num_slots = {state.get('num_slots')!r} but this estimator "
+                             f"has K = {self._num_slots}; build it with the state's num_slots")
+        expected = {"slope": (), "intercepts": (self._num_slots,),
+                    "statistics": (len(_STATS), self._num_slots)}
+        for key, shape in expected.items():
+            value = torch.as_tensor(state[key])
+            if tuple(value.shape) != shape:
+                raise ValueError(f"state[{key!r}] has shape {tuple(value.shape)}, expected {shape}")
+        self._slope = torch.as_tensor(state["slope"]).to(self.device, _DTYPE).clone()
+        self._intercepts = torch.as_tensor(state["intercepts"]).to(self.device, _DTYPE).clone()
+        self._stats = torch.as_tensor(state["statistics"]).to(self.device, _DTYPE).clone()
+        for key in ("steps_since_refit", "total_steps", "num_refits", "num_skipped"):
+            setattr(self, key, int(state[key]))

@@ -1,0 +1,169 @@
+"""Configuration: frozen, validated dataclasses for every part of the engine.
+
+Each config checks itself on construction and raises `ConfigError` naming the field,
+the bad value and what is allowed. CLI flags and the server's JSON are parsed into
+these; nothing else in the package holds defaults of its own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, unknown or out of range."""
+
+
+def _check(ok: bool, where: str, name: str, value: Any, allowed: str) -> None:
+    if not ok:
+        raise ConfigError(f"{where}.{name} = {value!r} is invalid: allowed {allowed}")
+
+
+def _from_mapping(cls, data: Mapping[str, Any], where: str):
+    """Build a config dataclass from a mapping, rejecting unknown keys by name."""
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{where} must be a JSON object, got {type(data).__name__}")
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {unknown}; allowed keys are {sorted(names)}")
+    return cls(**data)
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """Per-request sampling. temperature 0 means greedy; top_k 0 and top_p 1 mean no truncation."""
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    max_tokens: int = 256
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        w = "SamplingParams"
+        _check(math.isfinite(self.temperature) and self.temperature >= 0, w, "temperature",
+               self.temperature, "a finite number >= 0 (0 = greedy)")
+        _check(isinstance(self.top_k, int) and self.top_k >= 0, w, "top_k", self.top_k,
+               "an integer >= 0 (0 = off)")
+        _check(0 < self.top_p <= 1, w, "top_p", self.top_p, "a number in (0, 1]")
+        _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1, w, "max_tokens",
+               self.max_tokens, "an integer >= 1")
+        _check(self.seed is None or isinstance(self.seed, int), w, "seed", self.seed,
+               "an integer or null")
+        object.__setattr__(self, "stop", tuple(self.stop))
+        _check(all(isinstance(s, str) and s for s in self.stop), w, "stop", self.stop,
+               "non-empty strings")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+DRAFT_METHODS = ("draft_model",)
+DRAFT_SAMPLE_METHODS = ("probabilistic",)
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    """vLLM-style speculative config, e.g. the JSON of `--speculative-config`.
+
+    model: drafter checkpoint (local HF directory, GGUF file, or "default" for the packaged drafter).
+    """
+
+    model: str = "default"
+    method: str = "draft_model"
+    num_speculative_tokens: int = 4
+    draft_sample_method: str = "probabilistic"
+    enable_adaptive_verification: bool = False
+
+    def __post_init__(self) -> None:
+        w = "speculative_config"
+        _check(isinstance(self.model, str) and bool(self.model), w, "model", self.model,
+               "a local checkpoint path or 'default'")
+        _check(self.method in DRAFT_METHODS, w, "method", self.method, f"one of {DRAFT_METHODS}")
+        _check(isinstance(self.num_speculative_tokens, int) and 1 <= self.num_speculative_tokens <= 32,
+               w, "num_speculative_tokens", self.num_speculative_tokens, "an integer in [1, 32]")
+        _check(self.draft_sample_method in DRAFT_SAMPLE_METHODS, w, "draft_sample_method",
+               self.draft_sample_method, f"one of {DRAFT_SAMPLE_METHODS}")
+        _check(isinstance(self.enable_adaptive_verification, bool), w,
+               "enable_adaptive_verification", self.enable_adaptive_verification, "true or false")
+
+    @classmethod
+    def from_json(cls, text: str | Mapping[str, Any]) -> "SpeculativeConfig":
+        if isinstance(text, str):
+            try:
+                text = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"speculative_config is not valid JSON ({e}): {text!r}") from None
+        return _from_mapping(cls, text, "speculative_config")
+
+
+@dataclass(frozen=True, slots=True)
+class EstimatorConfig:
+    """Online acceptance estimator (estimator.md).
+
+    Defaults: slope 1 and intercepts 0 make the unfitted estimator equal raw q_max;
+    one damped IRLS step every 100 decode steps with n0 = 50; ridge 1e-3; feature clamp 40.
+    """
+
+    refit_interval: int = 100
+    damping_n0: float = 50.0
+    ridge: float = 1e-3
+    feature_clamp: float = 40.0
+    init_slope: float = 1.0
+    init_intercept: float = 0.0
+
+    def __post_init__(self) -> None:
+        w = "estimator"
+        _check(isinstance(self.refit_interval, int) and self.refit_interval >= 1, w,
+               "refit_interval", self.refit_interval, "an integer >= 1")
+        _check(self.damping_n0 >= 0, w, "damping_n0", self.damping_n0, "a number >= 0")
+        _check(self.ridge > 0, w, "ridge", self.ridge, "a number > 0")
+        _check(self.feature_clamp > 0, w, "feature_clamp", self.feature_clamp, "a number > 0")
+        _check(math.isfinite(self.init_slope) and self.init_slope >= 0, w, "init_slope",
+               self.init_slope, "a finite number >= 0")
+        _check(math.isfinite(self.init_intercept), w, "init_intercept", self.init_intercept,
+               "a finite number")
+
+
+DTYPES = ("bf16", "fp32")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """Which checkpoint to load and at what precision.
+
+    path: local HF directory (safetensors), a local .gguf file, or "default" for the packaged target.
+    """
+
+    path: str = "default"
+    dtype: str = "bf16"
+    threads: int | None = None
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.path, str) and bool(self.path), "model", "path", self.path,
+               "a local checkpoint path or 'default'")
+        _check(self.dtype in DTYPES, "model", "dtype", self.dtype, f"one of {DTYPES}")
+        _check(self.threads is None or (isinstance(self.threads, int) and self.threads >= 1),
+               "model", "threads", self.threads, "an integer >= 1 or null")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """The whole engine: target, speculation, estimator, and batch limits."""
+
+    target: ModelConfig = field(default_factory=ModelConfig)
+    speculative: SpeculativeConfig | None = field(default_factory=SpeculativeConfig)
+    estimator: EstimatorConfig = field(default_factory=EstimatorConfig)
+    max_batch_size: int = 16
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.max_batch_size, int) and self.max_batch_size >= 1, "engine",
+               "max_batch_size", self.max_batch_size, "an integer >= 1")

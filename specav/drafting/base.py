@@ -1,0 +1,71 @@
+"""The Drafter protocol and the registry of drafting methods.
+
+Owns: the contract between the engine and any drafter. A drafter proposes up to
+`num_slots[b]` draft tokens for each request, returning for every drafted slot the token,
+its processed distribution q_i and its features, and afterwards keeps its own state in
+sync with what verification kept.
+
+Must not know: the target model, rejection sampling or the planner.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Protocol, Sequence
+
+from specav.engine.request import Request
+from specav.types import AcceptResult, DraftBatch
+
+
+class Drafter(Protocol):
+    name: str
+
+    def propose(self, requests: Sequence[Request], num_slots: Sequence[int]) -> DraftBatch:
+        """Draft up to num_slots[b] tokens for request b (0 = none this step)."""
+        ...
+
+    def commit(self, requests: Sequence[Request], drafts: DraftBatch, result: AcceptResult) -> None:
+        """Sync state with verification: request b kept result.num_accepted[b] draft tokens, then
+        emitted result.output_tokens[b][-1] (a recovered or bonus token)."""
+        ...
+
+    def release(self, request: Request) -> None:
+        """Forget a finished request."""
+        ...
+
+
+DRAFTERS: dict[str, Callable[..., Drafter]] = {}
+
+
+def register(name: str):
+    def wrap(factory):
+        DRAFTERS[name] = factory
+        return factory
+    return wrap
+
+
+def make_drafter(method: str, **kwargs) -> Drafter:
+    if method not in DRAFTERS:
+        raise ValueError(f"unknown drafting method {method!r}; available: {sorted(DRAFTERS)}")
+    return DRAFTERS[method](**kwargs)
+
+
+class NoDrafter:
+    """Target-only decoding: drafts nothing, so every step verifies just the bonus token."""
+
+    name = "none"
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+
+    def propose(self, requests: Sequence[Request], num_slots: Sequence[int]) -> DraftBatch:
+        import torch
+
+        b = len(requests)
+        return DraftBatch(torch.full((b, 0), -1, dtype=torch.int64), torch.zeros(b, dtype=torch.int64),
+                          torch.zeros(0, self.vocab_size), {})
+
+    def commit(self, requests: Sequence[Request], drafts: DraftBatch, result: AcceptResult) -> None:
+        pass
+
+    def release(self, request: Request) -> None:
+        pass

@@ -1,0 +1,119 @@
+"""The draft-model drafter: a small autoregressive model of the target's vocabulary.
+
+Owns: the drafter's KV caches and the tokens not yet fed to it ("pending"), drafting slot
+by slot through the packed forward (all requests that still draft at slot i share one
+forward), probabilistic sampling from q_i (greedy for temperature-0 requests), the
+features of each slot, and the cache rollback after verification.
+
+Cache invariant. Before `propose`, a request's drafter cache holds its sequence except the
+pending tokens. Drafting k slots feeds pending, x_1, ..., x_{k-1}; x_k is sampled but never
+fed. After verification accepted a of them and emitted a final token t:
+  a < k:  roll back x_{a+1}..x_{k-1}; pending = [t]
+  a = k:  nothing to roll back, but x_k was never fed; pending = [x_k, t]
+A request drafting 0 slots feeds nothing and appends its emitted tokens to pending.
+
+Must not know: the target model, rejection sampling or the planner.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from specav.acceptance.features import compute_slot_features
+from specav.drafting.base import register
+from specav.engine.request import Request
+from specav.engine.sampling_rows import SamplingRows
+from specav.models.kv_cache import KVCache
+from specav.models.packed import PackedCausalLM
+from specav.types import AcceptResult, DraftBatch
+from specav.verification.sampling import sample
+
+FEATURE_NAMES = ("logit_q_max", "q_max", "entropy", "top2_margin", "q_sampled")
+
+# Called after slot i is drafted for the requests still drafting; returns which of them
+# should draft slot i + 1. It may look at slots 1..i only (architecture.md, early stop).
+ContinueRule = Callable[[int, torch.Tensor, dict[str, torch.Tensor]], torch.Tensor]
+
+
+@dataclass(slots=True)
+class _State:
+    cache: KVCache
+    pending: list[int] = field(default_factory=list)
+
+
+@register("draft_model")
+class DraftModelDrafter:
+    name = "draft_model"
+
+    def __init__(self, model: PackedCausalLM, feature_clamp: float = 40.0, keep_hidden: bool = False) -> None:
+        self.model = model
+        self.feature_clamp = feature_clamp
+        self.keep_hidden = keep_hidden
+        self._states: dict[str, _State] = {}
+
+    def _state(self, request: Request) -> _State:
+        if request.request_id not in self._states:
+            self._states[request.request_id] = _State(self.model.new_cache(), list(request.prompt_ids))
+        return self._states[request.request_id]
+
+    def propose(self, requests: Sequence[Request], num_slots: Sequence[int],
+                keep_drafting: ContinueRule | None = None) -> DraftBatch:
+        b, k = len(requests), max(num_slots, default=0)
+        token_ids = torch.full((b, k), -1, dtype=torch.int64)  # [B, K]
+        features = {n: torch.full((b, k), float("nan")) for n in FEATURE_NAMES}  # name -> [B, K]
+        slot_probs: list[list[torch.Tensor]] = [[] for _ in range(b)]
+        slot_hidden: list[list[torch.Tensor]] = [[] for _ in range(b)]
+        active = [i for i in range(b) if num_slots[i] > 0]
+        states = [self._state(r) for r in requests]
+        for slot in range(k):
+            if not active:
+                break
+            feed = [states[i].pending if slot == 0 else [int(token_ids[i, slot - 1])] for i in active]
+            out = self.model.forward(feed, [states[i].cache for i in active], [1] * len(active))
+            rows = SamplingRows.of([requests[i] for i in active], [1] * len(active))
+            probs = rows.probs(out.logits)  # [A, V]
+            tokens = sample(probs, rows.generators)  # [A]
+            f = compute_slot_features(rows.scaled_logits(out.logits), probs, tokens, self.feature_clamp)
+            for j, i in enumerate(active):
+                token_ids[i, slot] = tokens[j]
+                slot_probs[i].append(probs[j])
+                if self.keep_hidden:
+                    slot_hidden[i].append(out.hidden[j])
+                for name in FEATURE_NAMES:
+                    features[name][i, slot] = getattr(f, name)[j]
+            if slot == 0:
+                for i in active:
+                    states[i].pending = []
+            still = [i for i in active if num_slots[i] > slot + 1]
+            if keep_drafting is not None and still:
+                idx = torch.tensor(still)
+                keep = keep_drafting(slot, idx, {n: v[idx, : slot + 1] for n, v in features.items()})
+                still = [i for i, kept in zip(still, keep.tolist()) if kept]
+            active = still
+        num_drafted = (token_ids >= 0).sum(1)  # [B]
+        flat = [p for per in slot_probs for p in per]
+        probs = torch.stack(flat) if flat else torch.zeros(0, self.model.vocab_size)
+        hidden = None
+        if self.keep_hidden:
+            flat_h = [h for per in slot_hidden for h in per]
+            hidden = torch.stack(flat_h) if flat_h else None
+        return DraftBatch(token_ids, num_drafted, probs, features, hidden)
+
+    def commit(self, requests: Sequence[Request], drafts: DraftBatch, result: AcceptResult) -> None:
+        for b, request in enumerate(requests):
+            state = self._state(request)
+            drafted, accepted = int(drafts.num_drafted[b]), int(result.num_accepted[b])
+            final = result.output_tokens[b][-1]
+            if drafted == 0:
+                state.pending.extend(result.output_tokens[b])
+            elif accepted < drafted:
+                state.cache.rollback(drafted - 1 - accepted)
+                state.pending = [final]
+            else:
+                state.pending = [int(drafts.token_ids[b, drafted - 1]), final]
+
+    def release(self, request: Request) -> None:
+        self._states.pop(request.request_id, None)

@@ -1,0 +1,1 @@
+"""The engine: requests, continuous batching, and the step loop."""

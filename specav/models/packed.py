@@ -1,0 +1,125 @@
+"""Packed variable-length forward for the Llama / Qwen2 family.
+
+Owns: one forward pass over the new tokens of many requests concatenated (`# [T]`), each
+request with its own query length and its own KV history (a `KVCache`), returning logits
+only for the positions asked for. This is what verification needs: every request may
+verify a different number of tokens in the same forward.
+
+Linear layers, norms and the MLP run once over all T packed tokens; attention runs per
+request over that request's cached keys plus its new ones, causally. The weights and the
+submodules are transformers' own (embedding, norms, projections, MLP, rotary embedding),
+so the numbers match transformers' forward, and a module swapped for a quantized one is
+picked up without changes here.
+
+Must not know: sampling, drafting, requests or the engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from specav.models.kv_cache import KVCache
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+
+
+@dataclass(slots=True)
+class ForwardOutput:
+    logits: torch.Tensor  # [R, V] float32, R = sum(num_logits): each request's last num_logits positions
+    hidden: torch.Tensor  # [R, hidden] final-normed hidden states at the same positions (model dtype)
+
+
+class PackedCausalLM:
+    """A transformers Llama/Qwen2 causal LM run through the packed varlen forward."""
+
+    def __init__(self, hf_model: torch.nn.Module) -> None:
+        config = hf_model.config
+        if config.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"model_type {config.model_type!r} is not supported; "
+                             f"supported: {SUPPORTED_MODEL_TYPES}")
+        if getattr(config, "use_sliding_window", False):
+            raise ValueError("sliding-window attention is not supported by the packed forward")
+        self.hf_model = hf_model.eval()
+        self.config = config
+        self.decoder = hf_model.model
+        self.lm_head = hf_model.lm_head
+        self.num_layers = config.num_hidden_layers
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.dtype = self.lm_head.weight.dtype
+        self.vocab_size = config.vocab_size
+
+    def new_cache(self, capacity: int = 256) -> KVCache:
+        return KVCache(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype, capacity)
+
+    @torch.inference_mode()
+    def forward(self, token_ids: Sequence[Sequence[int]], caches: Sequence[KVCache],
+                num_logits: Sequence[int]) -> ForwardOutput:
+        """Append each request's new tokens to its cache and return logits for its last positions.
+
+        token_ids: per request, its new tokens (at least one each); packed into # [T].
+        caches: per request, its KV cache; each grows by len(token_ids[b]).
+        num_logits: per request, how many of its last positions to return logits for.
+        """
+        lengths = [len(t) for t in token_ids]
+        if not (len(lengths) == len(caches) == len(num_logits)) or min(lengths, default=1) < 1:
+            raise ValueError("token_ids, caches and num_logits must have one non-empty entry per request")
+        if any(not 0 <= n <= q for n, q in zip(num_logits, lengths)):
+            raise ValueError(f"num_logits {list(num_logits)} must be within each request's new tokens {lengths}")
+        ids = torch.tensor([t for seq in token_ids for t in seq], dtype=torch.long)  # [T]
+        positions = torch.cat([torch.arange(c.length, c.length + n) for c, n in zip(caches, lengths)])  # [T]
+        for cache, n in zip(caches, lengths):
+            cache.reserve(n)
+
+        h = self.decoder.embed_tokens(ids)  # [T, hidden]
+        cos, sin = self.decoder.rotary_emb(h, positions[None])  # [1, T, D] each
+        rope = (cos[0, :, None, :], sin[0, :, None, :])  # [T, 1, D]
+        for layer_idx, layer in enumerate(self.decoder.layers):
+            h = h + self._attention(layer.self_attn, layer.input_layernorm(h), rope, caches, lengths, layer_idx)
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        for cache, n in zip(caches, lengths):
+            cache.advance(n)
+
+        ends = torch.tensor(lengths).cumsum(0)
+        rows = torch.cat([torch.arange(e - n, e) for e, n in zip(ends.tolist(), num_logits)]).long()
+        hidden = self.decoder.norm(h[rows])  # [R, hidden]
+        return ForwardOutput(logits=self.lm_head(hidden).float(), hidden=hidden)
+
+    def _attention(self, attn: torch.nn.Module, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                   caches: Sequence[KVCache], lengths: Sequence[int], layer_idx: int) -> torch.Tensor:
+        t = x.shape[0]
+        q = attn.q_proj(x).view(t, self.num_heads, self.head_dim)  # [T, H, D]
+        k = attn.k_proj(x).view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = attn.v_proj(x).view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        q, k = _apply_rope(q, *rope), _apply_rope(k, *rope)
+        out = torch.empty_like(q)  # [T, H, D]
+        start = 0
+        for cache, n in zip(caches, lengths):
+            keys, values = cache.write(layer_idx, k[start:start + n], v[start:start + n])  # [P + n, Hkv, D]
+            out[start:start + n] = _causal_attention(q[start:start + n], keys, values, attn.scaling)
+            start += n
+        return attn.o_proj(out.view(t, self.num_heads * self.head_dim))
+
+
+def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: # [T, heads, D]; cos, sin: # [T, 1, D] (transformers' rotate-half convention)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def _causal_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+    """One request: q # [n, H, D] are the last n of keys/values # [P + n, Hkv, D]. Returns # [n, H, D]."""
+    n, total = q.shape[0], keys.shape[0]
+    mask = None
+    if n > 1:  # query j sits at absolute position total - n + j and sees keys 0..total - n + j
+        mask = torch.ones(n, total, dtype=torch.bool).tril(diagonal=total - n)
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
+        attn_mask=mask, scale=scale, enable_gqa=True)  # [1, H, n, D]
+    return out[0].transpose(0, 1)

@@ -1,0 +1,171 @@
+"""Lossless rejection sampling over a ragged batch (in the style of vLLM v1's rejection sampler).
+
+Words (architecture.md):
+    accepted token   an admitted draft token x_i that is kept. Slot i (reached only when slots
+                     1..i-1 were accepted) is accepted iff u_i * q_i(x_i) < p_i(x_i) with
+                     u_i ~ U[0, 1), i.e. with probability min(1, p_i(x_i) / q_i(x_i)).
+    recovered token  at the first rejected slot i, a token drawn from
+                     norm(max(0, p_i - q_i)); the request stops there.
+    bonus token      when all k admitted slots are accepted, a token drawn from p_{k+1}, the
+                     target's distribution after the last admitted slot.
+Each request emits its accepted tokens plus exactly one recovered or bonus token. With draft
+tokens x_i ~ q_i, the emitted tokens are distributed exactly as sampling from p alone, provided
+the number of admitted slots did not depend on any x_i (the planner's duty; not checked here).
+
+Layout. The batch is ragged and flattened with cumulative offsets: request b owns draft rows
+[d_b, d_b + k_b) of the S admitted slots and target rows [d_b + b, d_b + b + k_b] of the S + B
+target rows (its k_b slots, then its bonus distribution), where d_b = k_0 + ... + k_{b-1}.
+
+Draw order (fixed, shared by both implementations so they agree exactly for equal seeds):
+    1. for b = 0..B-1: k_b uniforms u_1..u_{k_b} from generators[b], one call, float64; uniforms
+       past the first rejection are drawn and ignored, so the draw count never depends on the
+       outcome;
+    2. for b = 0..B-1: one categorical draw (torch.multinomial) from generators[b], from the
+       recovered distribution or the bonus distribution.
+A request touches only its own generator, so with distinct generators its outcome never
+depends on the other requests in the batch. Requests sharing one generator object draw in the
+order above.
+
+Residual guard. The residual max(0, p_i - q_i) has mass TV(p_i, q_i), which is also the
+probability of rejecting slot i. When that mass is <= RESIDUAL_EPS the recovered token falls
+back to p_i. This is still exact: the mass is ~0 only when p_i == q_i up to rounding, where a
+rejection has probability ~0 anyway; in general the fallback changes the output distribution
+by at most RESIDUAL_EPS in total variation, and it never emits a token outside p_i's support.
+
+Greedy requests need no special case: with one-hot p_i and q_i, x_i is accepted iff it is the
+target's argmax (the strict inequality never accepts a token with p_i(x_i) = 0), and the
+recovered and bonus tokens are the target's argmax.
+
+This module owns the accept / recover / bonus rule and nothing else: no models, no engine, no
+planner. It never touches the global RNG.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from specav.types import AcceptResult
+
+RESIDUAL_EPS = 1e-6  # residual mass below which the recovered token is drawn from p_i
+
+
+def rejection_sample(
+    draft_token_ids: torch.Tensor,  # [S] int64, admitted draft tokens of all requests, concatenated
+    draft_probs: torch.Tensor,  # [S, V] q_i of those slots (processed)
+    target_probs: torch.Tensor,  # [S + B, V] p_i (processed); request b: k_b slot rows, then its bonus row
+    num_admitted: torch.Tensor,  # [B] int64, k_b, may contain zeros
+    generators: Sequence[torch.Generator],  # [B], one per request
+) -> AcceptResult:
+    """Vectorised rejection sampling of a ragged batch (see the module docstring for the rule)."""
+    counts = _check_inputs(draft_token_ids, draft_probs, target_probs, num_admitted, generators)
+    B, S = len(counts), draft_token_ids.shape[0]
+    device = target_probs.device
+    k = num_admitted.to(device=device, dtype=torch.int64)  # [B]
+    uniforms = _draw_uniforms(counts, generators, device)  # [S] float64
+
+    request = torch.tensor([b for b, n in enumerate(counts) for _ in range(n)],  # [S] request of each slot
+                           dtype=torch.int64, device=device)
+    draft_start = torch.cumsum(k, 0) - k  # [B] d_b
+    target_start = draft_start + torch.arange(B, device=device)  # [B] d_b + b
+    slot = torch.arange(S, device=device)  # [S]
+    position = slot - draft_start[request]  # [S] i - 1 within the request
+
+    x = draft_token_ids.to(device=device, dtype=torch.int64)[:, None]  # [S, 1]
+    p_x = target_probs[slot + request].gather(1, x).squeeze(1).double()  # [S]
+    q_x = draft_probs.gather(1, x).squeeze(1).double()  # [S]
+    rejected_slot = ~(uniforms * q_x < p_x)  # [S]
+
+    num_accepted = k.clone().scatter_reduce_(  # [B] position of the first rejection, else k_b
+        0, request[rejected_slot], position[rejected_slot], reduce="amin")
+    rejected = num_accepted < k  # [B]
+
+    p_last = target_probs[target_start + num_accepted]  # [B, V] p at the stop row
+    q_last = torch.zeros_like(p_last)  # [B, V] q at the rejected slot (zero where none)
+    q_last[rejected] = draft_probs[(draft_start + num_accepted)[rejected]]
+    weights = torch.where(rejected[:, None], _residual_weights(p_last, q_last), p_last)  # [B, V]
+    last_tokens = [int(torch.multinomial(w, 1, generator=g)) for w, g in zip(weights, generators)]
+
+    drafts = draft_token_ids.tolist()
+    starts, accepted = draft_start.tolist(), num_accepted.tolist()
+    output_tokens = [drafts[d:d + n] + [t] for d, n, t in zip(starts, accepted, last_tokens)]
+    return AcceptResult(num_accepted=num_accepted, output_tokens=output_tokens)
+
+
+def rejection_sample_reference(
+    draft_token_ids: torch.Tensor,  # [S] int64
+    draft_probs: torch.Tensor,  # [S, V]
+    target_probs: torch.Tensor,  # [S + B, V]
+    num_admitted: torch.Tensor,  # [B] int64
+    generators: Sequence[torch.Generator],  # [B]
+) -> AcceptResult:
+    """Plain per-request, per-slot loop; same rule and draw order as `rejection_sample`."""
+    counts = _check_inputs(draft_token_ids, draft_probs, target_probs, num_admitted, generators)
+    uniforms = [torch.rand(k, generator=g, dtype=torch.float64, device=target_probs.device)
+                for k, g in zip(counts, generators)]  # draw order, phase 1
+    num_accepted, output_tokens = [], []
+    d = 0  # first draft row of request b; its first target row is d + b
+    for b, k in enumerate(counts):
+        t = d + b
+        tokens: list[int] = []
+        weights = target_probs[t + k]  # bonus distribution unless a slot is rejected
+        for i in range(k):
+            x = int(draft_token_ids[d + i])
+            p, q = target_probs[t + i], draft_probs[d + i]
+            if uniforms[b][i] * q[x].double() < p[x].double():
+                tokens.append(x)
+                continue
+            weights = _residual_weights(p, q)
+            break
+        num_accepted.append(len(tokens))
+        output_tokens.append(tokens + [int(torch.multinomial(weights, 1, generator=generators[b]))])
+        d += k
+    return AcceptResult(num_accepted=torch.tensor(num_accepted, dtype=torch.int64),
+                        output_tokens=output_tokens)
+
+
+def residual_probs(target_probs: torch.Tensor, draft_probs: torch.Tensor) -> torch.Tensor:
+    """The recovered-token distribution norm(max(0, p - q)), or p where that mass is <= RESIDUAL_EPS.
+
+    target_probs: # [N, V] p_i
+    draft_probs:  # [N, V] q_i
+    returns:      # [N, V], rows sum to 1
+    """
+    weights = _residual_weights(target_probs, draft_probs)
+    return weights / weights.sum(-1, keepdim=True)
+
+
+def _residual_weights(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Unnormalised residual max(0, p - q) (# [..., V]), replaced by p where its mass is ~0."""
+    residual = torch.clamp(p - q, min=0)
+    mass = residual.sum(-1, keepdim=True)
+    return torch.where(mass > RESIDUAL_EPS, residual, p)
+
+
+def _draw_uniforms(counts: list[int], generators: Sequence[torch.Generator],
+                   device: torch.device) -> torch.Tensor:
+    """Phase 1 of the draw order: k_b float64 uniforms per request, concatenated (# [S])."""
+    parts = [torch.rand(k, generator=g, dtype=torch.float64, device=device)
+             for k, g in zip(counts, generators)]
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64, device=device)
+
+
+def _check_inputs(draft_token_ids: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor,
+                  num_admitted: torch.Tensor, generators: Sequence[torch.Generator]) -> list[int]:
+    """Validate the ragged layout; return num_admitted as a list of ints."""
+    counts = [int(k) for k in num_admitted.tolist()]
+    B, S = len(counts), sum(counts)
+    if any(k < 0 for k in counts):
+        raise ValueError(f"num_admitted must be >= 0, got {counts}")
+    if draft_token_ids.shape != (S,) or draft_probs.shape[0] != S:
+        raise ValueError(f"num_admitted sums to S = {S}, but draft_token_ids has shape "
+                         f"{tuple(draft_token_ids.shape)} and draft_probs {tuple(draft_probs.shape)}; "
+                         "both need S rows")
+    if target_probs.shape[0] != S + B or target_probs.shape[1:] != draft_probs.shape[1:]:
+        raise ValueError(f"target_probs has shape {tuple(target_probs.shape)}; expected "
+                         f"(S + B, V) = ({S + B}, {draft_probs.shape[-1]}): each request needs "
+                         "its slot rows plus one bonus row")
+    if len(generators) != B:
+        raise ValueError(f"got {len(generators)} generators for B = {B} requests; pass one per request")
+    return counts

@@ -1,0 +1,139 @@
+"""Sampling transforms: logits -> the processed distributions q_i and p_i, and categorical draws.
+
+This module owns how a request's SamplingParams (temperature, top-k, top-p) turn raw logits
+into probabilities, and how one token is drawn from them with an explicit generator. Every
+function is batched over N rows (any rows: slots of many requests, or one row per request),
+each row with its own parameters.
+
+`processed_probs` is applied identically to the drafter's logits (giving q_i) and to the
+target's logits (giving p_i), with the same request's parameters. Rejection sampling is
+lossless with respect to the processed target distribution p_i, so the two sides must go
+through this one function; any other transform of q alone would only lower acceptance, any
+other transform of p would change what "the target" means.
+
+It must not know about models, the engine, requests or the rejection sampler, and it never
+touches the global RNG.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+
+def temperature_logits(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """Logits divided by each row's temperature; rows with temperature 0 are returned unscaled.
+
+    logits:      # [N, V] float32
+    temperature: # [N] float32, >= 0 (0 = greedy)
+    returns:     # [N, V] float32
+    """
+    t = temperature.to(device=logits.device, dtype=logits.dtype)
+    t = torch.where(t > 0, t, torch.ones_like(t))
+    return logits / t[:, None]
+
+
+def processed_probs(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+) -> torch.Tensor:
+    """The processed distribution of each row: temperature, then top-k, then top-p, renormalised.
+
+    logits:      # [N, V] float32, raw model logits
+    temperature: # [N] float32, >= 0; 0 = greedy
+    top_k:       # [N] int64, >= 0; 0 = off. Keeps every token whose logit is >= the k-th
+                 #   largest (ties at the boundary are all kept).
+    top_p:       # [N] float32 in (0, 1]; 1 = off. Keeps the smallest set of highest-probability
+                 #   tokens whose mass is >= top_p (at least one token), plus every token tied in
+                 #   probability with the last one kept, so the result does not depend on token order.
+    returns:     # [N, V] float32, rows sum to 1
+
+    Greedy rows (temperature 0) are a one-hot at the argmax of the raw logits (first index on
+    ties); top-k and top-p do not change them. The same call produces q_i from the drafter's
+    logits and p_i from the target's (see the module docstring).
+    """
+    scaled = temperature_logits(logits.float(), temperature)
+    scaled = _apply_top_k(scaled, top_k)
+    probs = torch.softmax(scaled, dim=-1)
+    probs = _apply_top_p(probs, top_p)
+    return _apply_greedy(probs, logits, temperature)
+
+
+def sample(probs: torch.Tensor, generators: Sequence[torch.Generator]) -> torch.Tensor:
+    """One token per row, drawn with that row's generator (rows of one request may share one).
+
+    probs:      # [N, V] float32, non-negative rows with positive sum (need not be normalised)
+    generators: N generators on probs' device; each row draws once, in row order
+    returns:    # [N] int64
+    """
+    if len(generators) != probs.shape[0]:
+        raise ValueError(f"sample: got {len(generators)} generators for {probs.shape[0]} rows; "
+                         "pass one generator per row")
+    tokens = [torch.multinomial(row, 1, generator=g) for row, g in zip(probs, generators)]
+    if not tokens:
+        return torch.zeros(0, dtype=torch.int64, device=probs.device)
+    return torch.cat(tokens)
+
+
+def _apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """Mask to -inf every logit below its row's k-th largest; rows with k = 0 are untouched."""
+    top_k = top_k.to(device=logits.device, dtype=torch.int64)
+    if not bool((top_k > 0).any()):
+        return logits
+    k_max = min(int(top_k.max()), logits.shape[-1])
+    k = top_k.clamp(1, k_max)
+    kth = logits.topk(k_max, dim=-1).values.gather(1, (k - 1)[:, None])  # [N, 1]
+    drop = (logits < kth) & (top_k > 0)[:, None]
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def _apply_top_p(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Zero the tail beyond each row's nucleus and renormalise; rows with top_p >= 1 are untouched."""
+    rows = (top_p.to(probs.device) < 1).nonzero().flatten()
+    if rows.numel() == 0:
+        return probs
+    sub = probs[rows]  # [n, V]
+    boundary = _nucleus_boundary(sub, top_p.to(device=probs.device, dtype=torch.float64)[rows])
+    kept = (sub >= boundary) & (sub > 0)
+    sub = sub * kept
+    out = probs.clone()
+    out[rows] = sub / sub.sum(-1, keepdim=True)
+    return out
+
+
+_TOP_P_CANDIDATES = 1024  # the nucleus is first sought among this many most probable tokens
+
+
+def _nucleus_boundary(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Probability of the last token of each row's nucleus (# [n, 1]); probs # [n, V], top_p # [n].
+
+    A top-k of the candidates finds it unless they hold less than top_p of the mass; only those
+    rows pay for a full sort. Both paths see the same leading values, so they agree exactly.
+    """
+    desc = probs.topk(min(_TOP_P_CANDIDATES, probs.shape[-1]), dim=-1).values
+    boundary, reached = _boundary_in_sorted(desc, top_p)
+    short = (~reached).nonzero().flatten()
+    if short.numel():
+        desc = probs[short].sort(dim=-1, descending=True).values
+        boundary[short] = _boundary_in_sorted(desc, top_p[short])[0]
+    return boundary
+
+
+def _boundary_in_sorted(desc: torch.Tensor, top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Nucleus boundary within descending probs (# [n, m]) and whether their mass reaches top_p (# [n])."""
+    cumulative = desc.double().cumsum(-1)
+    mass_before = cumulative - desc.double()  # mass strictly above each rank
+    num_kept = (mass_before < top_p[:, None]).sum(-1).clamp(min=1)
+    return desc.gather(1, (num_kept - 1)[:, None]), cumulative[:, -1] >= top_p
+
+
+def _apply_greedy(probs: torch.Tensor, logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """Replace rows with temperature 0 by a one-hot at the argmax of their raw logits."""
+    greedy = (temperature.to(probs.device) == 0)
+    if not bool(greedy.any()):
+        return probs
+    one_hot = torch.zeros_like(probs).scatter_(1, logits.argmax(-1, keepdim=True), 1.0)
+    return torch.where(greedy[:, None], one_hot, probs)
