@@ -7,7 +7,8 @@ checking that a target and a drafter share one vocabulary. Every failure is a
 
 The packaged pair is assembled from its chunk packages (packaged.py) and converted once
 to a bf16 safetensors directory in the cache, so later loads skip GGUF dequantisation.
-float32 loads go to the GGUF file directly.
+Every dtype of the packaged pair loads from that directory: fp32 computes in float32 on
+the same bf16-rounded weights (a local GGUF file in fp32 keeps its full dequantised values).
 
 Must not know: drafting, sampling, the engine.
 """
@@ -77,8 +78,6 @@ def _load_packaged(model: packaged.PackagedModel, dtype: str) -> Checkpoint:
         gguf_path = packaged.assembled_gguf(model)
     except packaged.PackagedModelError as e:
         raise CheckpointError(str(e)) from None
-    if dtype != "bf16":
-        return _load_gguf(gguf_path, dtype)
     converted = gguf_path.parent / "hf-bf16"
     if not (converted / "config.json").exists():
         _convert_to_hf(gguf_path, converted)

@@ -5,8 +5,9 @@ request with its own query length and its own KV history (a `KVCache`), returnin
 only for the positions asked for. This is what verification needs: every request may
 verify a different number of tokens in the same forward.
 
-Linear layers, norms and the MLP run once over all T packed tokens; attention runs per
-request over that request's cached keys plus its new ones, causally. The weights and the
+Linear layers, norms and the MLP run once over all T packed tokens; attention runs in
+one call over the batch padded to the longest request, each request seeing its own cached
+keys plus its new ones, causally (a boolean mask built once per forward). The weights and the
 submodules are transformers' own (embedding, norms, projections, MLP, rotary embedding),
 so the numbers match transformers' forward, and a module swapped for a quantized one is
 picked up without changes here.
@@ -21,6 +22,7 @@ from typing import Sequence
 
 import torch
 import torch.nn.functional as F
+from torch.nn.utils.rnn import pad_sequence
 
 from specav.models.kv_cache import KVCache
 
@@ -79,8 +81,9 @@ class PackedCausalLM:
         h = self.decoder.embed_tokens(ids)  # [T, hidden]
         cos, sin = self.decoder.rotary_emb(h, positions[None])  # [1, T, D] each
         rope = (cos[0, :, None, :], sin[0, :, None, :])  # [T, 1, D]
+        layout = _PaddedLayout.of([c.length for c in caches], lengths)
         for layer_idx, layer in enumerate(self.decoder.layers):
-            h = h + self._attention(layer.self_attn, layer.input_layernorm(h), rope, caches, lengths, layer_idx)
+            h = h + self._attention(layer.self_attn, layer.input_layernorm(h), rope, caches, layout, layer_idx)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         for cache, n in zip(caches, lengths):
             cache.advance(n)
@@ -91,19 +94,59 @@ class PackedCausalLM:
         return ForwardOutput(logits=self.lm_head(hidden).float(), hidden=hidden)
 
     def _attention(self, attn: torch.nn.Module, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                   caches: Sequence[KVCache], lengths: Sequence[int], layer_idx: int) -> torch.Tensor:
+                   caches: Sequence[KVCache], layout: "_PaddedLayout", layer_idx: int) -> torch.Tensor:
+        """Projections over all T tokens; one attention call over the batch padded to # [B, *, n_max/P_max, D]."""
         t = x.shape[0]
         q = attn.q_proj(x).view(t, self.num_heads, self.head_dim)  # [T, H, D]
         k = attn.k_proj(x).view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = attn.v_proj(x).view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         q, k = _apply_rope(q, *rope), _apply_rope(k, *rope)
-        out = torch.empty_like(q)  # [T, H, D]
-        start = 0
-        for cache, n in zip(caches, lengths):
-            keys, values = cache.write(layer_idx, k[start:start + n], v[start:start + n])  # [P + n, Hkv, D]
-            out[start:start + n] = _causal_attention(q[start:start + n], keys, values, attn.scaling)
-            start += n
-        return attn.o_proj(out.view(t, self.num_heads * self.head_dim))
+        keys, values = [], []
+        for cache, start, n in zip(caches, layout.starts, layout.lengths):
+            kb, vb = cache.write(layer_idx, k[start:start + n], v[start:start + n])  # [P + n, Hkv, D]
+            keys.append(kb)
+            values.append(vb)
+        out = F.scaled_dot_product_attention(
+            layout.pad_queries(q).transpose(1, 2),  # [B, H, n_max, D]
+            pad_sequence(keys, batch_first=True).transpose(1, 2),  # [B, Hkv, P_max, D]
+            pad_sequence(values, batch_first=True).transpose(1, 2),  # [B, Hkv, P_max, D]
+            attn_mask=layout.mask, scale=attn.scaling, enable_gqa=True)  # [B, H, n_max, D]
+        out = layout.unpad(out.transpose(1, 2))  # [T, H, D]
+        return attn.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+
+
+@dataclass(slots=True)
+class _PaddedLayout:
+    """Where each request's queries sit in the padded attention batch, and its causal mask."""
+
+    starts: list[int]  # first packed token of each request
+    lengths: list[int]  # new tokens per request (n_b)
+    rows: torch.Tensor  # [T] row of each packed token in the flattened [B * n_max] padded queries
+    n_max: int
+    mask: torch.Tensor  # [B, 1, n_max, P_max] bool: query j of request b sees keys 0..P_b + j
+
+    @classmethod
+    def of(cls, cached: Sequence[int], lengths: Sequence[int]) -> "_PaddedLayout":
+        n_max = max(lengths)
+        starts = torch.tensor([0, *lengths]).cumsum(0)[:-1].tolist()
+        rows = torch.cat([torch.arange(b * n_max, b * n_max + n) for b, n in enumerate(lengths)])
+        p = torch.tensor(cached)[:, None, None]  # [B, 1, 1]
+        n = torch.tensor(lengths)[:, None, None]
+        j = torch.arange(n_max)[None, :, None]  # [1, n_max, 1]
+        t = torch.arange(max(c + q for c, q in zip(cached, lengths)))[None, None, :]  # [1, 1, P_max]
+        # Padding queries (j >= n_b) see all real keys, so no row is fully masked; they are dropped.
+        mask = (t <= p + j) & (t < p + n)
+        return cls(list(starts), list(lengths), rows, n_max, mask[:, None])
+
+    def pad_queries(self, q: torch.Tensor) -> torch.Tensor:
+        """# [T, H, D] -> # [B, n_max, H, D]."""
+        padded = q.new_zeros(len(self.lengths) * self.n_max, *q.shape[1:])
+        padded[self.rows] = q
+        return padded.view(len(self.lengths), self.n_max, *q.shape[1:])
+
+    def unpad(self, out: torch.Tensor) -> torch.Tensor:
+        """# [B, n_max, H, D] -> # [T, H, D]."""
+        return out.reshape(-1, *out.shape[2:])[self.rows]
 
 
 def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -111,15 +154,3 @@ def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
-
-
-def _causal_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
-    """One request: q # [n, H, D] are the last n of keys/values # [P + n, Hkv, D]. Returns # [n, H, D]."""
-    n, total = q.shape[0], keys.shape[0]
-    mask = None
-    if n > 1:  # query j sits at absolute position total - n + j and sees keys 0..total - n + j
-        mask = torch.ones(n, total, dtype=torch.bool).tril(diagonal=total - n)
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
-        attn_mask=mask, scale=scale, enable_gqa=True)  # [1, H, n, D]
-    return out[0].transpose(0, 1)

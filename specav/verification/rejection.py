@@ -42,6 +42,7 @@ planner. It never touches the global RNG.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -60,37 +61,57 @@ def rejection_sample(
 ) -> AcceptResult:
     """Vectorised rejection sampling of a ragged batch (see the module docstring for the rule)."""
     counts = _check_inputs(draft_token_ids, draft_probs, target_probs, num_admitted, generators)
-    B, S = len(counts), draft_token_ids.shape[0]
-    device = target_probs.device
-    k = num_admitted.to(device=device, dtype=torch.int64)  # [B]
-    uniforms = _draw_uniforms(counts, generators, device)  # [S] float64
-
-    request = torch.tensor([b for b, n in enumerate(counts) for _ in range(n)],  # [S] request of each slot
-                           dtype=torch.int64, device=device)
-    draft_start = torch.cumsum(k, 0) - k  # [B] d_b
-    target_start = draft_start + torch.arange(B, device=device)  # [B] d_b + b
-    slot = torch.arange(S, device=device)  # [S]
-    position = slot - draft_start[request]  # [S] i - 1 within the request
-
-    x = draft_token_ids.to(device=device, dtype=torch.int64)[:, None]  # [S, 1]
-    p_x = target_probs[slot + request].gather(1, x).squeeze(1).double()  # [S]
-    q_x = draft_probs.gather(1, x).squeeze(1).double()  # [S]
-    rejected_slot = ~(uniforms * q_x < p_x)  # [S]
-
-    num_accepted = k.clone().scatter_reduce_(  # [B] position of the first rejection, else k_b
-        0, request[rejected_slot], position[rejected_slot], reduce="amin")
-    rejected = num_accepted < k  # [B]
-
-    p_last = target_probs[target_start + num_accepted]  # [B, V] p at the stop row
-    q_last = torch.zeros_like(p_last)  # [B, V] q at the rejected slot (zero where none)
-    q_last[rejected] = draft_probs[(draft_start + num_accepted)[rejected]]
-    weights = torch.where(rejected[:, None], _residual_weights(p_last, q_last), p_last)  # [B, V]
+    layout = _Layout.of(counts, target_probs.device)
+    uniforms = _draw_uniforms(counts, generators, target_probs.device)  # [S], draw order phase 1
+    num_accepted = _count_accepted(draft_token_ids, draft_probs, target_probs, uniforms, layout)  # [B]
+    weights = _last_token_weights(draft_probs, target_probs, num_accepted, layout)  # [B, V]
     last_tokens = [int(torch.multinomial(w, 1, generator=g)) for w, g in zip(weights, generators)]
 
-    drafts = draft_token_ids.tolist()
-    starts, accepted = draft_start.tolist(), num_accepted.tolist()
-    output_tokens = [drafts[d:d + n] + [t] for d, n, t in zip(starts, accepted, last_tokens)]
+    drafts, starts = draft_token_ids.tolist(), layout.draft_start.tolist()
+    output_tokens = [drafts[d:d + n] + [t] for d, n, t in zip(starts, num_accepted.tolist(), last_tokens)]
     return AcceptResult(num_accepted=num_accepted, output_tokens=output_tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class _Layout:
+    """Cumulative offsets of a ragged batch."""
+
+    num_admitted: torch.Tensor  # [B] int64, k_b
+    draft_start: torch.Tensor  # [B] d_b, first draft row of request b
+    target_start: torch.Tensor  # [B] d_b + b, first target row of request b
+    request: torch.Tensor  # [S] request of each slot
+    position: torch.Tensor  # [S] 0-based slot index within its request
+
+    @classmethod
+    def of(cls, counts: list[int], device: torch.device) -> "_Layout":
+        k = torch.tensor(counts, dtype=torch.int64, device=device)
+        draft_start = torch.cumsum(k, 0) - k
+        request = torch.tensor([b for b, n in enumerate(counts) for _ in range(n)],
+                               dtype=torch.int64, device=device)
+        position = torch.arange(request.shape[0], device=device) - draft_start[request]
+        return cls(k, draft_start, draft_start + torch.arange(len(counts), device=device), request, position)
+
+
+def _count_accepted(draft_token_ids: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor,
+                    uniforms: torch.Tensor, layout: _Layout) -> torch.Tensor:
+    """Accepted draft tokens per request (# [B]): the index of its first rejected slot, else k_b."""
+    slot = torch.arange(draft_token_ids.shape[0], device=target_probs.device)  # [S]
+    x = draft_token_ids.to(device=target_probs.device, dtype=torch.int64)[:, None]  # [S, 1]
+    p_x = target_probs[slot + layout.request].gather(1, x).squeeze(1).double()  # [S]
+    q_x = draft_probs.gather(1, x).squeeze(1).double()  # [S]
+    rejected = ~(uniforms * q_x < p_x)  # [S]
+    return layout.num_admitted.clone().scatter_reduce_(
+        0, layout.request[rejected], layout.position[rejected], reduce="amin")
+
+
+def _last_token_weights(draft_probs: torch.Tensor, target_probs: torch.Tensor, num_accepted: torch.Tensor,
+                        layout: _Layout) -> torch.Tensor:
+    """Per request, the unnormalised distribution of its recovered or bonus token (# [B, V])."""
+    rejected = num_accepted < layout.num_admitted  # [B]
+    p_last = target_probs[layout.target_start + num_accepted]  # [B, V] p at the stop row
+    q_last = torch.zeros_like(p_last)  # [B, V] q at the rejected slot (zero where none)
+    q_last[rejected] = draft_probs[(layout.draft_start + num_accepted)[rejected]]
+    return torch.where(rejected[:, None], _residual_weights(p_last, q_last), p_last)
 
 
 def rejection_sample_reference(

@@ -1,0 +1,97 @@
+"""GGUF weight formats: read quantized tensors as blocks and convert them to torch's integer layouts.
+
+Owns: one GGUF tensor as its raw blocks (`GGUFWeight`), the float reference
+(`dequantize`, which is the `gguf` package's own dequantiser), and the two conversions the
+kernels need:
+
+- `q4k_groups`: Q4_K -> 4-bit codes with one (scale, zero) per 32 columns, the layout of
+  torch's int4 CPU kernel, where w = (code - 8) * scale + zero. Q4_K stores
+  w = d * sc_j * q - dmin * m_j per 32-element sub-block j, so code = q, scale = d * sc_j and
+  zero = 8 * d * sc_j - dmin * m_j. The codes are exact; scale and zero are exact in float32
+  (d and dmin are float16, sc_j and m_j 6-bit integers) and the kernel rounds them to
+  bfloat16 (relative error <= 2^-9, a few hundredths of one quantisation step).
+- `int8_rows`: any type -> int8 codes with one symmetric scale per output row,
+  scale = max|w| / 127. This is a requantisation of the dequantised weights, so it is
+  approximate: each weight moves by at most half an int8 step of its row (max|w| / 254).
+  Q5_0, Q6_K and Q8_0 have 32 to 256 levels per 16- or 32-element block; no torch CPU
+  kernel takes per-block scales with more than 4 bits, so int8 per row is the closest
+  layout that is fast here.
+
+Shapes use torch's order: a weight is # [N, K] (N output features, K input features); the
+GGUF header lists the same tensor as [K, N].
+
+Must not know: modules, kernels' speed, or which model the tensor belongs to.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import gguf
+import numpy as np
+import torch
+
+Q4_K = gguf.GGMLQuantizationType.Q4_K
+GROUP = 32  # Q4_K sub-block = torch int4 kernel group
+_ROW_CHUNK = 4096  # rows dequantised at a time when requantising (bounds the float32 transient)
+
+
+@dataclass(frozen=True, slots=True)
+class GGUFWeight:
+    """One 2-D GGUF tensor in its stored form: blocks # [N, bytes_per_row] (memory-mapped)."""
+
+    name: str
+    qtype: gguf.GGMLQuantizationType
+    shape: tuple[int, int]  # (N, K) in torch order
+    blocks: np.ndarray  # [N, bytes_per_row] uint8, or [N, K] float for F32 / F16
+
+    @classmethod
+    def from_reader(cls, tensor: gguf.gguf_reader.ReaderTensor) -> "GGUFWeight":
+        k, n = (int(d) for d in tensor.shape[:2]) if len(tensor.shape) >= 2 else (int(tensor.shape[0]), 1)
+        return cls(tensor.name, tensor.tensor_type, (n, k), tensor.data.reshape(n, -1))
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.blocks.nbytes)
+
+
+def dequantize(weight: GGUFWeight, rows: slice | np.ndarray = slice(None)) -> torch.Tensor:
+    """The float reference: rows of the weight as # [n, K] float32 (the gguf package's dequantiser)."""
+    data = np.ascontiguousarray(weight.blocks[rows])
+    return torch.from_numpy(np.asarray(gguf.quants.dequantize(data, weight.qtype), dtype=np.float32)
+                            .reshape(data.shape[0], weight.shape[1]))
+
+
+def q4k_groups(weight: GGUFWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_K -> (codes # [N, K] uint8 in 0..15, scales # [N, K/32] float32, zeros # [N, K/32] float32).
+
+    w = (codes - 8) * scale + zero reproduces the Q4_K dequantisation exactly in float32.
+    """
+    if weight.qtype != Q4_K:
+        raise ValueError(f"{weight.name} is {weight.qtype.name}, not Q4_K")
+    n, k = weight.shape
+    blocks = np.ascontiguousarray(weight.blocks).reshape(-1, 144)  # [N * K/256, 144]
+    d = blocks[:, 0:2].view(np.float16).astype(np.float32)  # [nb, 1]
+    dmin = blocks[:, 2:4].view(np.float16).astype(np.float32)  # [nb, 1]
+    sc, m = gguf.quants.Q4_K.get_scale_min(blocks[:, 4:16])  # [nb, 8] each, 6-bit integers
+    scale = d * sc.astype(np.float32)  # [nb, 8]
+    zero = 8 * scale - dmin * m.astype(np.float32)  # [nb, 8]
+    qs = blocks[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+    codes = (qs & np.uint8(0x0F)).reshape(n, k)  # sub-block j of 64-column chunk c: low nibbles then high
+    groups = k // GROUP
+    return (torch.from_numpy(codes), torch.from_numpy(scale.reshape(n, groups)),
+            torch.from_numpy(zero.reshape(n, groups)))
+
+
+def int8_rows(weight: GGUFWeight) -> tuple[torch.Tensor, torch.Tensor]:
+    """Any type -> (codes # [N, K] int8 in -127..127, scale # [N] float32): w ~ codes * scale."""
+    n, k = weight.shape
+    codes = torch.empty(n, k, dtype=torch.int8)
+    scales = torch.empty(n, dtype=torch.float32)
+    for start in range(0, n, _ROW_CHUNK):
+        rows = slice(start, min(n, start + _ROW_CHUNK))
+        w = dequantize(weight, rows)  # [n_chunk, K]
+        s = w.abs().amax(dim=1).clamp_min(torch.finfo(torch.float32).tiny) / 127
+        codes[rows] = torch.round(w / s[:, None]).clamp_(-127, 127).to(torch.int8)
+        scales[rows] = s
+    return codes, scales
