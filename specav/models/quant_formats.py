@@ -4,7 +4,7 @@ Owns: one GGUF tensor as its raw blocks (`GGUFWeight`), the float reference
 (`dequantize`, which is the `gguf` package's own dequantiser), and the two conversions the
 kernels need:
 
-- `q4k_groups`: Q4_K -> 4-bit codes with one (scale, zero) per 32 columns, the layout of
+- `int4_groups`: Q4_K (and Q4_0, Q4_1) -> 4-bit codes with one (scale, zero) per 32 columns, the layout of
   torch's int4 CPU kernel, where w = (code - 8) * scale + zero. Q4_K stores
   w = d * sc_j * q - dmin * m_j per 32-element sub-block j, so code = q, scale = d * sc_j and
   zero = 8 * d * sc_j - dmin * m_j. The codes are exact; scale and zero are exact in float32
@@ -31,7 +31,7 @@ import gguf
 import numpy as np
 import torch
 
-Q4_K = gguf.GGMLQuantizationType.Q4_K
+T = gguf.GGMLQuantizationType
 GROUP = 32  # Q4_K sub-block = torch int4 kernel group
 _ROW_CHUNK = 4096  # rows dequantised at a time when requantising (bounds the float32 transient)
 
@@ -62,25 +62,53 @@ def dequantize(weight: GGUFWeight, rows: slice | np.ndarray = slice(None)) -> to
                             .reshape(data.shape[0], weight.shape[1]))
 
 
-def q4k_groups(weight: GGUFWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Q4_K -> (codes # [N, K] uint8 in 0..15, scales # [N, K/32] float32, zeros # [N, K/32] float32).
+def int4_groups(weight: GGUFWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """4-bit types -> (codes # [N, K] uint8 in 0..15, scales # [N, K/32] float32, zeros # [N, K/32] float32).
 
-    w = (codes - 8) * scale + zero reproduces the Q4_K dequantisation exactly in float32.
+    w = (codes - 8) * scale + zero reproduces the type's dequantisation exactly in float32.
     """
-    if weight.qtype != Q4_K:
-        raise ValueError(f"{weight.name} is {weight.qtype.name}, not Q4_K")
+    decode = _INT4_DECODERS.get(weight.qtype)
+    if decode is None:
+        raise ValueError(f"{weight.name} is {weight.qtype.name}; 4-bit groups exist for "
+                         f"{sorted(t.name for t in _INT4_DECODERS)}")
     n, k = weight.shape
-    blocks = np.ascontiguousarray(weight.blocks).reshape(-1, 144)  # [N * K/256, 144]
+    codes, scale, zero = decode(np.ascontiguousarray(weight.blocks))
+    groups = k // GROUP
+    return (torch.from_numpy(codes.reshape(n, k)), torch.from_numpy(scale.reshape(n, groups)),
+            torch.from_numpy(zero.reshape(n, groups)))
+
+
+def _nibbles(qs: np.ndarray, run: int) -> np.ndarray:
+    """Bytes # [nb, c, run] -> codes # [nb, c, 2 * run]: `run` low nibbles, then their high nibbles."""
+    shifted = qs[..., None, :] >> np.array([0, 4], dtype=np.uint8).reshape(2, 1)  # [nb, c, 2, run]
+    return (shifted & np.uint8(0x0F)).reshape(*qs.shape[:-1], 2 * run)
+
+
+def _q4_0(data: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    blocks = data.reshape(-1, 18)  # d f16, 16 bytes of nibbles; w = d * (q - 8)
+    d = blocks[:, 0:2].view(np.float16).astype(np.float32)[:, 0]
+    return _nibbles(blocks[:, None, 2:], 16), d, np.zeros_like(d)
+
+
+def _q4_1(data: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    blocks = data.reshape(-1, 20)  # d f16, m f16, 16 bytes of nibbles; w = d * q + m
+    d = blocks[:, 0:2].view(np.float16).astype(np.float32)[:, 0]
+    m = blocks[:, 2:4].view(np.float16).astype(np.float32)[:, 0]
+    return _nibbles(blocks[:, None, 4:], 16), d, 8 * d + m
+
+
+def _q4_k(data: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    # 256-element super-block: d f16, dmin f16, 12 bytes of 6-bit (sc_j, m_j), 128 bytes of nibbles;
+    # sub-block j (32 elements) is w = d * sc_j * q - dmin * m_j; each 32 bytes hold two sub-blocks.
+    blocks = data.reshape(-1, 144)
     d = blocks[:, 0:2].view(np.float16).astype(np.float32)  # [nb, 1]
     dmin = blocks[:, 2:4].view(np.float16).astype(np.float32)  # [nb, 1]
-    sc, m = gguf.quants.Q4_K.get_scale_min(blocks[:, 4:16])  # [nb, 8] each, 6-bit integers
-    scale = d * sc.astype(np.float32)  # [nb, 8]
-    zero = 8 * scale - dmin * m.astype(np.float32)  # [nb, 8]
-    qs = blocks[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
-    codes = (qs & np.uint8(0x0F)).reshape(n, k)  # sub-block j of 64-column chunk c: low nibbles then high
-    groups = k // GROUP
-    return (torch.from_numpy(codes), torch.from_numpy(scale.reshape(n, groups)),
-            torch.from_numpy(zero.reshape(n, groups)))
+    sc, m = gguf.quants.Q4_K.get_scale_min(blocks[:, 4:16])  # [nb, 8] each
+    scale = d * sc.astype(np.float32)
+    return _nibbles(blocks[:, 16:].reshape(-1, 4, 32), 32), scale, 8 * scale - dmin * m.astype(np.float32)
+
+
+_INT4_DECODERS = {T.Q4_0: _q4_0, T.Q4_1: _q4_1, T.Q4_K: _q4_k}
 
 
 def int8_rows(weight: GGUFWeight) -> tuple[torch.Tensor, torch.Tensor]:

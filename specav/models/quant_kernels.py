@@ -1,0 +1,124 @@
+"""Quantized matmul kernels: one packed weight per kernel, all with the same call.
+
+Owns: packing a `GGUFWeight` for one of torch's CPU kernels, and running
+`y = x @ W^T` with it: x # [T, K] float32 -> y # [T, N] float32. Each kernel states which
+GGUF types it holds exactly and what it approximates:
+
+| kernel   | weights                        | activations                  | exact for        |
+|----------|--------------------------------|------------------------------|------------------|
+| int4     | 4-bit, (scale, zero) per 32    | rounded to bf16              | Q4_0, Q4_1, Q4_K (bf16 scales) |
+| int8     | int8, one scale per row        | rounded to bf16              | none (requantised)  |
+| int8dyn  | int8, one scale per row        | int8 per row (7-bit)         | none (weights and activations requantised) |
+
+int4 is `torch.ops.aten._weight_int4pack_mm_for_cpu`, int8 is `_weight_int8pack_mm`
+(weight-only: each output row depends only on its own input row). int8dyn is fbgemm's
+int8 GEMM (`quantized::linear_with_input_q_dq_qweight_dq_output_fp32`); each input row is
+scaled to max |x| = 1 before it is quantised with one fixed scale, so the activation
+quantisation is per row and a row's result does not depend on the other rows of the
+batch. Activations use 7 bits (0..128 around zero point 64) because fbgemm's AVX2 path
+adds pairs of u8 x s8 products in int16, which saturates with 8-bit activations.
+
+Must not know: models, modules, which kernel is fastest (quant_choice.py measures that).
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import gguf
+import torch
+
+from specav.models.quant_formats import GROUP, GGUFWeight, int4_groups, int8_rows
+
+T = gguf.GGMLQuantizationType
+_DYN_SCALE, _DYN_ZERO_POINT = 2 / 127, 64  # x in [-1, 1] -> 0..128 (7 bits: no int16 saturation)
+
+
+class PackedWeight:
+    """A weight packed for one kernel. Subclasses set `kernel` and implement `matmul`."""
+
+    kernel: ClassVar[str]
+    exact_types: ClassVar[frozenset[T]] = frozenset()
+
+    def __init__(self, shape: tuple[int, int], nbytes: int) -> None:
+        self.shape = shape  # (N, K)
+        self.nbytes = nbytes
+
+    @classmethod
+    def supports(cls, qtype: T) -> bool:
+        return True
+
+    @classmethod
+    def pack(cls, weight: GGUFWeight) -> "PackedWeight":
+        raise NotImplementedError
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x # [T, K] float32 -> # [T, N] float32."""
+        raise NotImplementedError
+
+
+class Int4Weight(PackedWeight):
+    kernel = "int4"
+    exact_types = frozenset({T.Q4_0, T.Q4_1, T.Q4_K})
+
+    def __init__(self, packed: torch.Tensor, scales_zeros: torch.Tensor, shape: tuple[int, int]) -> None:
+        super().__init__(shape, packed.nbytes + scales_zeros.nbytes)
+        self.packed = packed  # [N, K/2] uint8, torch's CPU int4 layout
+        self.scales_zeros = scales_zeros  # [K/32, N, 2] bf16
+
+    @classmethod
+    def supports(cls, qtype: T) -> bool:
+        return qtype in cls.exact_types
+
+    @classmethod
+    def pack(cls, weight: GGUFWeight) -> "Int4Weight":
+        codes, scales, zeros = int4_groups(weight)  # [N, K] uint8, [N, K/32] x 2
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
+        scales_zeros = torch.stack([scales.t(), zeros.t()], dim=-1).to(torch.bfloat16).contiguous()
+        return cls(packed, scales_zeros, weight.shape)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x.to(torch.bfloat16), self.packed, GROUP, self.scales_zeros).float()
+
+
+class Int8Weight(PackedWeight):
+    kernel = "int8"
+
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor) -> None:
+        super().__init__(tuple(codes.shape), codes.nbytes + scales.nbytes)
+        self.codes = codes  # [N, K] int8
+        self.scales = scales  # [N] bf16
+
+    @classmethod
+    def pack(cls, weight: GGUFWeight) -> "Int8Weight":
+        codes, scales = int8_rows(weight)
+        return cls(codes, scales.to(torch.bfloat16))
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.codes, self.scales).float()
+
+
+class Int8DynamicWeight(PackedWeight):
+    kernel = "int8dyn"
+
+    def __init__(self, packed: torch.ScriptObject, shape: tuple[int, int]) -> None:
+        super().__init__(shape, shape[0] * shape[1] + 8 * shape[0])
+        self.packed = packed  # fbgemm's packed int8 matrix (per-row scales inside)
+
+    @classmethod
+    def pack(cls, weight: GGUFWeight) -> "Int8DynamicWeight":
+        codes, scales = int8_rows(weight)
+        qweight = torch._make_per_channel_quantized_tensor(
+            codes, scales.double(), torch.zeros(codes.shape[0], dtype=torch.long), 0)
+        return cls(torch.ops.quantized.linear_prepack(qweight, None), weight.shape)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.float()
+        amax = x.abs().amax(dim=1, keepdim=True).clamp_min_(torch.finfo(torch.float32).tiny)  # [T, 1]
+        y = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
+            x / amax, _DYN_SCALE, _DYN_ZERO_POINT, self.packed)
+        return y.mul_(amax)
+
+
+KERNELS: dict[str, type[PackedWeight]] = {k.kernel: k for k in (Int4Weight, Int8Weight, Int8DynamicWeight)}
