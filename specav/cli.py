@@ -99,6 +99,70 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+@command("eval")
+def cmd_eval(args: argparse.Namespace) -> int:
+    return EVAL_COMMANDS[args.eval_command](args)
+
+
+EVAL_COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {}
+
+
+def _eval_collect(args: argparse.Namespace) -> int:
+    from specav.engine.engine import Engine
+    from specav.evaluation.collect import collect
+    from specav.evaluation.workloads import WORKLOADS
+
+    workloads = args.workloads.split(",") if args.workloads else list(WORKLOADS)
+    config = engine_config(args)
+    if config.speculative is None:
+        raise ValueError("eval collect needs a drafter: drop --no-speculation")
+    engine = Engine.from_config(config)
+    base = sampling_params(args)
+
+    def params_for(n: int) -> SamplingParams:
+        seed = None if base.seed is None else base.seed + n
+        return dataclasses.replace(base, seed=seed)
+
+    meta = {"target": args.model, "speculative_config": dataclasses.asdict(config.speculative),
+            "dtype": args.dtype, "sampling": dataclasses.asdict(base), "workloads": workloads,
+            "prompts_per_workload": args.prompts}
+    result = collect(engine, args.out, workloads, args.prompts,
+                     lambda prompt: encode_prompt(engine.tokenizer, messages=prompt.chat()), params_for,
+                     keep_hidden=args.hidden, meta=meta)
+    print(f"wrote {result.labelled_slots} labelled slots from {result.requests} requests to {result.directory} "
+          f"in {result.seconds:.0f} s")
+    return 0
+
+
+def _eval_report(args: argparse.Namespace) -> int:
+    from specav.evaluation.report import build_report
+
+    report = build_report(args.log, args.out or args.log, bins=args.bins)
+    print(f"report: {report.markdown_path} ({report.num_slots} labelled slots, {report.num_requests} requests)")
+    return 0
+
+
+EVAL_COMMANDS.update(collect=_eval_collect, report=_eval_report)
+
+BENCHMARKS = {
+    "forward": "specav.bench.forward",
+    "speculative": "specav.bench.speculative",
+    "estimator": "specav.bench.estimator_cost",
+    "calibration": "specav.bench.calibration",
+    "report": "specav.bench.report_speed",
+}
+
+
+@command("bench")
+def cmd_bench(args: argparse.Namespace) -> int:
+    import importlib
+
+    module = importlib.import_module(BENCHMARKS[args.benchmark])
+    sys.argv = [f"specav bench {args.benchmark}", *args.rest]
+    module.main()
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specav", description="Speculative decoding with adaptive verification")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -108,6 +172,24 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--raw", action="store_true", help="send the prompt as plain text, without the chat template")
     add_engine_flags(gen)
     add_sampling_flags(gen)
+
+    ev = sub.add_parser("eval", help="labelled-draft logs and reports on acceptance features")
+    evsub = ev.add_subparsers(dest="eval_command", required=True)
+    col = evsub.add_parser("collect", help="run the pair over the shipped workloads and log labelled slots")
+    col.add_argument("--out", required=True, help="log directory (Parquet parts + meta.json)")
+    col.add_argument("--workloads", default=None, help="comma-separated (default: all)")
+    col.add_argument("--prompts", type=int, default=40, help="prompts per workload")
+    col.add_argument("--hidden", action="store_true", help="also log the drafter's hidden state per slot")
+    add_engine_flags(col)
+    add_sampling_flags(col)
+    rep = evsub.add_parser("report", help="AUC / log-loss / ECE tables and plots from a log")
+    rep.add_argument("log", help="log directory written by `specav eval collect`")
+    rep.add_argument("--out", default=None, help="report directory (default: the log directory)")
+    rep.add_argument("--bins", type=int, default=15, help="ECE bins (equal width on [0, 1])")
+
+    bench = sub.add_parser("bench", help="benchmark programs (print tables measured in one run)")
+    bench.add_argument("benchmark", choices=sorted(BENCHMARKS))
+    bench.add_argument("rest", nargs=argparse.REMAINDER, help="the benchmark's own flags (see --help)")
     return parser
 
 

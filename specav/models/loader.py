@@ -10,6 +10,10 @@ to a bf16 safetensors directory in the cache, so later loads skip GGUF dequantis
 Every dtype of the packaged pair loads from that directory: fp32 computes in float32 on
 the same bf16-rounded weights (a local GGUF file in fp32 keeps its full dequantised values).
 
+Quantized dtypes ("q4", "auto"; quant.py) run a GGUF file's quantized weights natively, so
+they need a GGUF file: the packaged models and local .gguf files. "auto" on a Hugging Face
+directory loads the faster dense dtype of this CPU (`quant_choice.dense_auto_dtype`).
+
 Must not know: drafting, sampling, the engine.
 """
 
@@ -24,11 +28,14 @@ import torch
 
 from specav.models import packaged
 from specav.models.packed import SUPPORTED_MODEL_TYPES, PackedCausalLM
+from specav.models.quant import QUANTIZED_DTYPES, QuantizedGGUFError, load_quantized
+from specav.models.quant_choice import dense_auto_dtype
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+KERNEL_PROFILE = "kernel-profile.json"  # in packaged.cache_root(): kernel times measured for "auto"
 
 
 class CheckpointError(ValueError):
@@ -45,8 +52,9 @@ class Checkpoint:
 
 def load_checkpoint(path: str, dtype: str = "bf16", role: str = "target") -> Checkpoint:
     """Load `path` ("default" = the packaged model for `role`, a HF directory, or a .gguf file)."""
-    if dtype not in TORCH_DTYPES:
-        raise CheckpointError(f"dtype {dtype!r} is not supported; use one of {sorted(TORCH_DTYPES)}")
+    if dtype not in TORCH_DTYPES and dtype not in QUANTIZED_DTYPES:
+        raise CheckpointError(f"dtype {dtype!r} is not supported; use one of "
+                              f"{sorted(TORCH_DTYPES) + list(QUANTIZED_DTYPES)}")
     if path == "default":
         return _load_packaged(packaged.PACKAGED[role], dtype)
     p = Path(path).expanduser()
@@ -54,7 +62,11 @@ def load_checkpoint(path: str, dtype: str = "bf16", role: str = "target") -> Che
         raise CheckpointError(f"{role} checkpoint {str(p)!r} does not exist: pass a local Hugging Face "
                               f"model directory, a .gguf file, or 'default' for the packaged {role}")
     if p.is_dir():
-        return _load_hf_dir(p, dtype)
+        if dtype in QUANTIZED_DTYPES and dtype != "auto":
+            raise CheckpointError(f"dtype {dtype!r} runs a GGUF file's quantized weights, but {str(p)!r} is a "
+                                  f"Hugging Face directory: pass its .gguf file, or use one of "
+                                  f"{sorted(TORCH_DTYPES)} or 'auto'")
+        return _load_hf_dir(p, dense_auto_dtype() if dtype == "auto" else dtype)
     if p.suffix.lower() == ".gguf" or _starts_with_gguf_magic(p):
         return _load_gguf(p, dtype)
     raise CheckpointError(f"{role} checkpoint {str(p)!r} is neither a directory nor a GGUF file: pass a "
@@ -79,6 +91,9 @@ def _load_packaged(model: packaged.PackagedModel, dtype: str) -> Checkpoint:
     except packaged.PackagedModelError as e:
         raise CheckpointError(str(e)) from None
     converted = gguf_path.parent / "hf-bf16"
+    if dtype in QUANTIZED_DTYPES:  # the tokenizer loads faster from the converted directory
+        tokenizer_dir = converted if (converted / "tokenizer.json").exists() else None
+        return _load_gguf_quantized(gguf_path, dtype, tokenizer_dir)
     if not (converted / "config.json").exists():
         _convert_to_hf(gguf_path, converted)
     checkpoint = _load_hf_dir(converted, dtype)
@@ -123,6 +138,8 @@ def _load_gguf(path: Path, dtype: str) -> Checkpoint:
 
     architecture = _check_gguf(path)
     _check_architecture(architecture, path)
+    if dtype in QUANTIZED_DTYPES:
+        return _load_gguf_quantized(path, dtype)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
         hf = AutoModelForCausalLM.from_pretrained(
@@ -133,6 +150,20 @@ def _load_gguf(path: Path, dtype: str) -> Checkpoint:
                               f"check that it is a complete Llama/Qwen2 GGUF file") from None
     hf = hf.to(TORCH_DTYPES[dtype])
     return Checkpoint(PackedCausalLM(hf), tokenizer, str(path), path)
+
+
+def _load_gguf_quantized(path: Path, dtype: str, tokenizer_dir: Path | None = None) -> Checkpoint:
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = (AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True) if tokenizer_dir
+                     else AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name))
+        model = load_quantized(path, dtype, packaged.cache_root() / KERNEL_PROFILE)
+    except (QuantizedGGUFError, ValueError, KeyError, IndexError, OSError) as e:
+        raise CheckpointError(f"GGUF file {str(path)!r} could not be loaded as {dtype!r} "
+                              f"({type(e).__name__}: {e}); check that it is a complete Llama/Qwen2 GGUF "
+                              f"file, or load it as bf16") from None
+    return Checkpoint(model, tokenizer, str(path), path)
 
 
 def _check_gguf(path: Path) -> str:

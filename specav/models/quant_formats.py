@@ -26,6 +26,7 @@ Must not know: modules, kernels' speed, or which model the tensor belongs to.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import gguf
 import numpy as np
@@ -46,9 +47,16 @@ class GGUFWeight:
     blocks: np.ndarray  # [N, bytes_per_row] uint8, or [N, K] float for F32 / F16
 
     @classmethod
-    def from_reader(cls, tensor: gguf.gguf_reader.ReaderTensor) -> "GGUFWeight":
-        k, n = (int(d) for d in tensor.shape[:2]) if len(tensor.shape) >= 2 else (int(tensor.shape[0]), 1)
-        return cls(tensor.name, tensor.tensor_type, (n, k), tensor.data.reshape(n, -1))
+    def from_reader(cls, tensor: gguf.gguf_reader.ReaderTensor, path: Path | None = None) -> "GGUFWeight":
+        """The tensor's blocks: a view of the reader's memory map, or, with `path`, an owned copy
+        read from the file (so the map's pages never count in this process's memory)."""
+        dims = [int(d) for d in tensor.shape]
+        k, n = dims[0], int(np.prod(dims[1:], dtype=np.int64)) if len(dims) > 1 else 1
+        if path is None:
+            blocks = tensor.data
+        else:
+            blocks = np.fromfile(path, dtype=tensor.data.dtype, count=tensor.data.size, offset=tensor.data_offset)
+        return cls(tensor.name, tensor.tensor_type, (n, k), blocks.reshape(n, -1))
 
     @property
     def nbytes(self) -> int:
@@ -58,8 +66,10 @@ class GGUFWeight:
 def dequantize(weight: GGUFWeight, rows: slice | np.ndarray = slice(None)) -> torch.Tensor:
     """The float reference: rows of the weight as # [n, K] float32 (the gguf package's dequantiser)."""
     data = np.ascontiguousarray(weight.blocks[rows])
-    return torch.from_numpy(np.asarray(gguf.quants.dequantize(data, weight.qtype), dtype=np.float32)
-                            .reshape(data.shape[0], weight.shape[1]))
+    out = np.asarray(gguf.quants.dequantize(data, weight.qtype), dtype=np.float32)
+    if np.may_share_memory(out, weight.blocks):  # F32 tensors come back as views of the file
+        out = out.copy()
+    return torch.from_numpy(out.reshape(data.shape[0], weight.shape[1]))
 
 
 def int4_groups(weight: GGUFWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

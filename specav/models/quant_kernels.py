@@ -111,6 +111,7 @@ class Int8DynamicWeight(PackedWeight):
         codes, scales = int8_rows(weight)
         qweight = torch._make_per_channel_quantized_tensor(
             codes, scales.double(), torch.zeros(codes.shape[0], dtype=torch.long), 0)
+        del codes  # the quantized tensor holds its own copy; keep the packing peak at two copies
         return cls(torch.ops.quantized.linear_prepack(qweight, None), weight.shape)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,244 @@
+"""Quantized weight path: run a GGUF file's quantized weights natively, without dequantising them.
+
+Owns: building a `PackedCausalLM` from a Llama / Qwen2 GGUF file in which every linear
+layer (q, k, v, o, gate, up, down, lm_head) is a `QuantizedLinear` and the token
+embedding is a `QuantizedEmbedding`; the precision modes behind `--dtype q4` and
+`--dtype auto` (quant_choice.py says which kernel each mode picks).
+
+- Weights: each linear layer holds only its packed quantized form (quant_kernels.py);
+  the embedding holds the file's raw blocks and dequantises the rows it looks up. No
+  full-precision copy of a quantized tensor exists after loading. The model skeleton is
+  built on the meta device, so dense weights are never allocated; the transient peak is
+  one tensor being packed (at most 4096 rows of it in float32).
+- Activations run in float32 (`ACTIVATION_DTYPE`): on CPUs without native bf16 (AVX2),
+  float32 norms, attention and KV caches are faster than bf16, and each kernel converts
+  its input to what it needs (bf16 for int4 / int8, int8 for int8dyn). KV caches follow
+  (`PackedCausalLM.dtype` is float32).
+- The packed forward and KV caches are unchanged: they call the modules by name.
+
+Exact vs approximate (see quant_formats.py and quant_kernels.py): Q4_K, Q4_0 and Q4_1
+weights keep their exact codes (int4, scales and zeros rounded to bf16); other types are
+requantised to int8 per output row; activations are rounded to bf16 (int4, int8) or
+quantised to 7 bits per row (int8dyn). Norms, biases and the embedding are exact.
+
+Must not know: tokenizers, sampling, the engine.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+from dataclasses import replace
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+from torch import nn
+
+from specav.models.packed import PackedCausalLM
+from specav.models.quant_choice import POLICIES, KernelPlan, Policy
+from specav.models.quant_formats import GGUFWeight, dequantize
+from specav.models.quant_kernels import KERNELS, PackedWeight
+
+QUANTIZED_DTYPES = tuple(POLICIES)  # ("q4", "auto")
+ACTIVATION_DTYPE = torch.float32
+
+# GGUF tensor name (per block) -> transformers submodule of model.layers[i]
+_LINEARS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+            "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+            "ffn_down": "mlp.down_proj"}
+_NORMS = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
+
+
+class QuantizedGGUFError(ValueError):
+    """The GGUF file lacks a tensor or metadata the quantized path needs; the message names it."""
+
+
+class QuantizedLinear(nn.Module):
+    """y = x W^T + b with W only in packed quantized form; the kernel is chosen by row count."""
+
+    def __init__(self, packed: dict[str, PackedWeight], plan: KernelPlan, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = next(iter(packed.values())).shape
+        self.packed = packed  # kernel name -> packed weight (one per kernel in the plan)
+        self.plan = plan
+        self.register_buffer("bias", bias)  # [N] float32 or None
+
+    @classmethod
+    def from_gguf(cls, weight: GGUFWeight, bias: torch.Tensor | None, policy: Policy) -> "QuantizedLinear":
+        plan = policy.plan(weight)
+        return cls({k: KERNELS[k].pack(weight) for k in plan.distinct}, plan, bias)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.packed.values()) + (0 if self.bias is None else self.bias.nbytes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x # [..., in_features] -> # [..., out_features] in x's dtype."""
+        rows = x.reshape(-1, self.in_features)  # [T, K]
+        y = self.packed[self.plan.kernel_for(rows.shape[0])].matmul(rows)  # [T, N] float32
+        if self.bias is not None:
+            y = y + self.bias
+        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        plan = ", ".join(f"{r}:{k}" for r, k in zip(self.plan.rows, self.plan.kernels))
+        return f"in_features={self.in_features}, out_features={self.out_features}, kernels by rows={{{plan}}}"
+
+
+class QuantizedEmbedding(nn.Module):
+    """Token embedding kept as the file's blocks; looked-up rows are dequantised exactly."""
+
+    def __init__(self, weight: GGUFWeight) -> None:
+        super().__init__()
+        self.name, self.qtype = weight.name, weight.qtype
+        self.num_embeddings, self.embedding_dim = weight.shape
+        self.blocks = np.array(weight.blocks)  # [V, bytes_per_row], owned (not a view of the file)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.blocks.nbytes)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids # [...] -> # [..., hidden] float32."""
+        flat = ids.reshape(-1).numpy()
+        rows = GGUFWeight(self.name, self.qtype, (len(flat), self.embedding_dim), self.blocks[flat])
+        return dequantize(rows).to(ACTIVATION_DTYPE).reshape(*ids.shape, self.embedding_dim)
+
+
+def load_quantized(path: Path, mode: str, profile_path: Path | None = None) -> PackedCausalLM:
+    """Build the packed model of GGUF file `path` with its weights quantized as `mode` says.
+
+    profile_path: where `auto` keeps its measured kernel times (None: measure, keep nothing).
+    """
+    from transformers import AutoModelForCausalLM
+
+    if mode not in POLICIES:
+        raise ValueError(f"quantized mode {mode!r} is unknown; use one of {QUANTIZED_DTYPES}")
+    reader = gguf.GGUFReader(path)
+    tensors = {t.name: t for t in reader.tensors}
+    config = hf_config(reader, tensors, path)
+    del reader  # its parsed metadata (mostly the tokenizer, ~0.4 GB for Qwen2.5) is not needed again
+    gc.collect()
+    policy = POLICIES[mode](profile_path)
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(config, dtype=ACTIVATION_DTYPE)
+    files = _Tensors(tensors, path, config)
+    for i, layer in enumerate(hf.model.layers):
+        for gguf_name, module in _LINEARS.items():
+            weight, bias = files.linear(f"blk.{i}.{gguf_name}")
+            layer.set_submodule(module, QuantizedLinear.from_gguf(weight, bias, policy))
+        for gguf_name, module in _NORMS.items():
+            layer.get_submodule(module).weight = files.parameter(f"blk.{i}.{gguf_name}.weight")
+        _return_freed_memory()
+    hf.model.norm.weight = files.parameter("output_norm.weight")
+    hf.model.embed_tokens = QuantizedEmbedding(files.weight("token_embd.weight"))
+    hf.model.rotary_emb = type(hf.model.rotary_emb)(config=config)  # its buffers were built on meta
+    packed = PackedCausalLM(hf)  # reads the activation dtype from the meta lm_head, replaced next
+    lm_head_name = "output" if "output.weight" in tensors else "token_embd"
+    hf.lm_head = packed.lm_head = QuantizedLinear.from_gguf(files.weight(f"{lm_head_name}.weight"), None, policy)
+    _check_materialised(hf, path)
+    _return_freed_memory()
+    return packed
+
+
+def hf_config(reader: gguf.GGUFReader, tensors: dict, path: Path):
+    """The transformers config of a Llama / Qwen2 GGUF file, from its metadata."""
+    from transformers import AutoConfig
+
+    arch = _field(reader, "general.architecture", path)
+    arch_field = lambda key, default=None: _field(reader, f"{arch}.{key}", path, default)  # noqa: E731
+    if "token_embd.weight" not in tensors:
+        raise QuantizedGGUFError(f"GGUF file {str(path)!r} has no token_embd.weight tensor")
+    heads = arch_field("attention.head_count")
+    kwargs = dict(
+        vocab_size=int(tensors["token_embd.weight"].shape[1]),
+        hidden_size=arch_field("embedding_length"), intermediate_size=arch_field("feed_forward_length"),
+        num_hidden_layers=arch_field("block_count"), num_attention_heads=heads,
+        num_key_value_heads=arch_field("attention.head_count_kv", heads),
+        max_position_embeddings=arch_field("context_length", 4096),
+        rms_norm_eps=arch_field("attention.layer_norm_rms_epsilon", 1e-6),
+        rope_theta=arch_field("rope.freq_base", 10000.0),
+        tie_word_embeddings="output.weight" not in tensors,
+        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id", path, None),
+        eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id", path, None),
+        pad_token_id=_field(reader, "tokenizer.ggml.padding_token_id", path, None))
+    if arch == "llama" and arch_field("rope.dimension_count") is not None:
+        kwargs["head_dim"] = arch_field("rope.dimension_count")
+    return AutoConfig.for_model(arch, **kwargs)
+
+
+class _Tensors:
+    """Named tensors of one GGUF file, mapped to transformers' layout (Llama q/k row order)."""
+
+    def __init__(self, tensors: dict, path: Path, config) -> None:
+        self.tensors, self.path = tensors, path
+        self.permute = {}  # llama.cpp interleaves the rotary halves of Llama's q and k rows
+        if config.model_type == "llama":
+            self.permute = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
+
+    def _get(self, name: str):
+        if name not in self.tensors:
+            raise QuantizedGGUFError(f"GGUF file {str(self.path)!r} has no tensor {name!r}: it is not a "
+                                     f"complete Llama/Qwen2 model")
+        return self.tensors[name]
+
+    def weight(self, name: str) -> GGUFWeight:
+        return GGUFWeight.from_reader(self._get(name), self.path)
+
+    def vector(self, name: str) -> torch.Tensor:
+        return dequantize(self.weight(name)).reshape(-1)
+
+    def parameter(self, name: str) -> nn.Parameter:
+        return nn.Parameter(self.vector(name).to(ACTIVATION_DTYPE), requires_grad=False)
+
+    def linear(self, base: str) -> tuple[GGUFWeight, torch.Tensor | None]:
+        weight = self.weight(f"{base}.weight")
+        bias = self.vector(f"{base}.bias") if f"{base}.bias" in self.tensors else None
+        heads = self.permute.get(base.rsplit(".", 1)[-1])
+        if heads is not None:
+            order = _rotary_row_order(weight.shape[0], heads)
+            weight = replace(weight, blocks=weight.blocks[order])
+            bias = None if bias is None else bias[torch.from_numpy(order)]
+        return weight, bias
+
+
+def _rotary_row_order(rows: int, heads: int) -> np.ndarray:
+    """Row order undoing llama.cpp's q/k permutation (transformers' `_reverse_permute_weights`)."""
+    return np.arange(rows).reshape(heads, rows // heads // 2, 2).swapaxes(1, 2).reshape(rows)
+
+
+def _field(reader: gguf.GGUFReader, key: str, path: Path, default=Ellipsis):
+    if key not in reader.fields:
+        if default is Ellipsis:
+            raise QuantizedGGUFError(f"GGUF file {str(path)!r} has no metadata {key!r}")
+        return default
+    value = reader.fields[key].contents()
+    return value.item() if hasattr(value, "item") else value
+
+
+def _check_materialised(hf: nn.Module, path: Path) -> None:
+    left = [n for n, t in [*hf.named_parameters(), *hf.named_buffers()] if t.is_meta]
+    if left:
+        raise QuantizedGGUFError(f"GGUF file {str(path)!r}: no weights for {left[:5]}; the quantized "
+                                 f"path maps only Llama/Qwen2 tensors")
+
+
+def _return_freed_memory() -> None:
+    """Packing frees many large temporaries; ask glibc to give their pages back to the system."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: the allocator keeps them for reuse
+        pass
+
+
+def quantized_nbytes(model: PackedCausalLM) -> int:
+    """Bytes held by the model's weights: packed linears, embedding blocks, norms."""
+    total = 0
+    for module in model.hf_model.modules():
+        if isinstance(module, (QuantizedLinear, QuantizedEmbedding)):
+            total += module.nbytes
+        else:
+            total += sum(p.nbytes for p in module.parameters(recurse=False))
+    return total
