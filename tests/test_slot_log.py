@@ -38,7 +38,7 @@ def _batch(n: int, seed: int = 0, hidden_dim: int | None = None) -> SlotRecordBa
         workload=np.where(rng.uniform(size=n) < 0.5, "chat", "math"),
         step=np.arange(n) // 4, position=np.arange(n) % 4 + 1, temperature=np.full(n, 0.7),
         q_max=q, logit_q_max=np.log(q / (1 - q)), entropy=rng.uniform(0, 3, n),
-        top2_margin=q * rng.uniform(size=n), q_sampled=q * rng.uniform(size=n),
+        top2_margin=q * rng.uniform(size=n), q_sampled=q * rng.uniform(size=n), q_max_truncated=np.maximum(q, 0.5),
         confidence=rng.uniform(size=n), label=rng.integers(0, 2, n),
         hidden=None if hidden_dim is None else rng.normal(size=(n, hidden_dim)))
 

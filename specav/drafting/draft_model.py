@@ -31,7 +31,7 @@ from specav.models.packed import PackedCausalLM
 from specav.types import AcceptResult, DraftBatch
 from specav.verification.sampling import sample
 
-FEATURE_NAMES = ("logit_q_max", "q_max", "entropy", "top2_margin", "q_sampled")
+FEATURE_NAMES = ("logit_q_max", "q_max", "entropy", "top2_margin", "q_sampled", "q_max_truncated")
 
 # Called after slot i is drafted for the requests still drafting; returns which of them
 # should draft slot i + 1. It may look at slots 1..i only (architecture.md, early stop).
@@ -77,13 +77,15 @@ class DraftModelDrafter:
             probs = rows.probs(out.logits)  # [A, V]
             tokens = sample(probs, rows.generators)  # [A]
             f = compute_slot_features(rows.scaled_logits(out.logits), probs, tokens, self.feature_clamp)
+            truncated = probs.max(dim=-1).values  # [A] q_max after top-k / top-p: logged, never scored
             for j, i in enumerate(active):
                 token_ids[i, slot] = tokens[j]
                 slot_probs[i].append(probs[j])
                 if self.keep_hidden:
                     slot_hidden[i].append(out.hidden[j])
-                for name in FEATURE_NAMES:
+                for name in FEATURE_NAMES[:-1]:
                     features[name][i, slot] = getattr(f, name)[j]
+                features["q_max_truncated"][i, slot] = truncated[j]
             if slot == 0:
                 for i in active:
                     states[i].pending = []

@@ -65,7 +65,8 @@ class SlotLogger:
             temperature=np.array([requests[x].params.temperature for x in b.tolist()]),
             q_max=f["q_max"][b, i].numpy(), logit_q_max=f["logit_q_max"][b, i].numpy(),
             entropy=f["entropy"][b, i].numpy(), top2_margin=f["top2_margin"][b, i].numpy(),
-            q_sampled=f["q_sampled"][b, i].numpy(), confidence=record.confidences[b, i].float().numpy(),
+            q_sampled=f["q_sampled"][b, i].numpy(), q_max_truncated=f["q_max_truncated"][b, i].numpy(),
+            confidence=record.confidences[b, i].float().numpy(),
             label=labels.numpy(), hidden=hidden))
         self.rows += len(labels)
 

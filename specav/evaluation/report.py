@@ -54,6 +54,7 @@ class SlotData:
     entropy: np.ndarray
     top2_margin: np.ndarray
     q_sampled: np.ndarray
+    q_max_truncated: np.ndarray  # q_max after top-k / top-p (1 where one token is left)
     confidence: np.ndarray
     hidden: np.ndarray | None  # [N, hidden_dim] float16
 
@@ -70,6 +71,7 @@ class SlotData:
             workload_names=self.workload_names, position=self.position[mask], label=self.label[mask],
             q_max=self.q_max[mask], logit_q_max=self.logit_q_max[mask], entropy=self.entropy[mask],
             top2_margin=self.top2_margin[mask], q_sampled=self.q_sampled[mask],
+            q_max_truncated=self.q_max_truncated[mask],
             confidence=self.confidence[mask], hidden=pick(self.hidden))
 
 
@@ -93,7 +95,8 @@ def load_slots(log_dir: str | os.PathLike) -> SlotData:
     rank = np.empty_like(order)
     rank[order] = np.arange(order.size)
     f64 = {name: table.column(name).to_numpy().astype(np.float64)
-           for name in ("label", "q_max", "logit_q_max", "entropy", "top2_margin", "q_sampled", "confidence")}
+           for name in ("label", "q_max", "logit_q_max", "entropy", "top2_margin", "q_sampled", "q_max_truncated",
+                        "confidence")}
     return SlotData(
         request=request, request_names=request_names, workload=rank[workload],
         workload_names=tuple(workload_names[order]), position=table.column("position").to_numpy().astype(np.int64),
@@ -260,6 +263,7 @@ _FEATURES: dict[str, Callable[[SlotData], np.ndarray]] = {
     "entropy": lambda d: d.entropy,
     "top2_margin": lambda d: d.top2_margin,
     "logit_q_sampled": lambda d: _logit(d.q_sampled),
+    "logit_q_max_truncated": lambda d: _logit(d.q_max_truncated),
 }
 
 
@@ -334,6 +338,8 @@ SCORERS: tuple[ScorerSpec, ...] = (
     ScorerSpec("shared", "logit(q_max), offline shared slope", True, _fitted("shared", "logit_q_max")),
     ScorerSpec("per_position", "logit(q_max), offline per-position slope", True,
                _fitted("per_position", "logit_q_max", shared_slope=False)),
+    ScorerSpec("truncated", "logit(q_max) after top-k/top-p, offline shared slope", True,
+               _fitted("truncated", "logit_q_max_truncated")),
     ScorerSpec("entropy", "entropy, fitted", True, _fitted("entropy", "entropy")),
     ScorerSpec("entropy_rank", "entropy, raw ranking (-entropy)", True, _raw(lambda d: -d.entropy, probs=False)),
     ScorerSpec("margin", "top-2 margin, fitted", True, _fitted("margin", "top2_margin")),

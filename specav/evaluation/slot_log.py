@@ -10,7 +10,7 @@ Layout of a log directory:
 Columns (one row per labelled slot, N rows per batch):
 
     request_id  string    workload  string    step  int64   position  int16 (1-based)
-    temperature float32   q_max, logit_q_max, entropy, top2_margin, q_sampled, confidence  float32
+    temperature float32   q_max, logit_q_max, entropy, top2_margin, q_sampled, q_max_truncated, confidence  float32
     label       int8 (1 accepted, 0 rejected)
     hidden      fixed_size_list<float16>[hidden_dim]  (only when the writer has hidden_dim)
 
@@ -49,6 +49,7 @@ _COLUMN_TYPES: dict[str, tuple[pa.DataType, np.dtype | None]] = {
     "entropy": (pa.float32(), np.dtype(np.float32)),
     "top2_margin": (pa.float32(), np.dtype(np.float32)),
     "q_sampled": (pa.float32(), np.dtype(np.float32)),
+    "q_max_truncated": (pa.float32(), np.dtype(np.float32)),
     "confidence": (pa.float32(), np.dtype(np.float32)),
     "label": (pa.int8(), np.dtype(np.int8)),
 }
@@ -86,6 +87,7 @@ class SlotRecordBatch:
     entropy: np.ndarray  # [N] float32, entropy (nats) of the same distribution
     top2_margin: np.ndarray  # [N] float32, q_max minus the second largest probability
     q_sampled: np.ndarray  # [N] float32, q_i(x_i): LOSSY, never used to trim
+    q_max_truncated: np.ndarray  # [N] float32, largest probability of q_i after top-k / top-p
     confidence: np.ndarray  # [N] float32, the online estimator's confidence when the slot was scored
     label: np.ndarray  # [N] int8, 1 accepted / 0 rejected
     hidden: np.ndarray | None = field(default=None)  # [N, hidden_dim] float16
@@ -380,6 +382,7 @@ def _draw_steps(rng: np.random.Generator, truth: SyntheticTruth, steps: int, ste
         step=step[rows_m], position=cols + 1, temperature=req_temperature[request[rows_m]],
         q_max=q_max, logit_q_max=f, entropy=feats["entropy"][rows_m, cols],
         top2_margin=feats["top2_margin"][rows_m, cols], q_sampled=q_sampled,
+        q_max_truncated=np.maximum(q_max, rng.uniform(0.0, 1.0, rows_m.size) < 0.5),
         confidence=_sigmoid(omega_t * f + beta_t), label=label, hidden=hidden)
 
 

@@ -6,8 +6,9 @@ kernel profile that `auto` chooses from.
 - `q4` (`FixedRule`): the closest kernel to the file's own weights, whatever the speed:
   int4 for the 4-bit types (exact codes), int8 weight-only for the rest.
 - `auto` (`MeasuredChoice`): for each (GGUF type, N x K) met while loading, every kernel
-  that can hold the type is timed at 1, 4, 16 and 64 rows (cache-cold, best of 5) and
-  the fastest wins each row count. Times are measured once per machine and kept in
+  that can hold the type is timed at 1, 4, 16 and 64 rows (cache-cold, best of 5); the
+  kernel fastest overall runs every row count where it is within 10% of the fastest, and
+  the fastest runs the others (a second kernel costs a second packed copy of the layer). Times are measured once per machine and kept in
   `<cache>/kernel-profile.json` under a key naming the CPU, torch version and thread
   count (delete the file to measure again); `profile()` returns them for cost models and
   benchmarks.
@@ -79,9 +80,7 @@ class MeasuredChoice:
         self._times = _read_profile(cache_path).get(self.machine, {}) if cache_path else {}
 
     def plan(self, weight: GGUFWeight) -> KernelPlan:
-        times = self.times(weight)  # kernel -> ms per row bucket
-        best = [min(times, key=lambda k: times[k][i]) for i in range(len(ROW_BUCKETS))]
-        return KernelPlan(ROW_BUCKETS, tuple(best))
+        return plan_from_times(self.times(weight))
 
     def times(self, weight: GGUFWeight) -> dict[str, list[float]]:
         key = profile_key(weight)
@@ -100,6 +99,21 @@ class MeasuredChoice:
 
 
 POLICIES = {"q4": FixedRule, "auto": MeasuredChoice}
+SECOND_KERNEL_GAIN = 1.10  # a row count gets its own kernel only if that is >10% faster than the main one
+
+
+def plan_from_times(times: dict[str, list[float]]) -> KernelPlan:
+    """The fastest kernel per row bucket, preferring one main kernel (one packed copy) within 10%.
+
+    times: kernel -> milliseconds at each of ROW_BUCKETS. The main kernel is the one with the
+    smallest sum of times relative to the fastest at each bucket.
+    """
+    buckets = range(len(ROW_BUCKETS))
+    fastest = [min(t[i] for t in times.values()) for i in buckets]
+    main = min(times, key=lambda k: sum(times[k][i] / fastest[i] for i in buckets))
+    kernels = [main if times[main][i] <= SECOND_KERNEL_GAIN * fastest[i]
+               else min(times, key=lambda k: times[k][i]) for i in buckets]
+    return KernelPlan(ROW_BUCKETS, tuple(kernels))
 _NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 
 

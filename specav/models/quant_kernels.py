@@ -23,6 +23,7 @@ Must not know: models, modules, which kernel is fastest (quant_choice.py measure
 
 from __future__ import annotations
 
+import warnings
 from typing import ClassVar
 
 import gguf
@@ -109,8 +110,10 @@ class Int8DynamicWeight(PackedWeight):
     @classmethod
     def pack(cls, weight: GGUFWeight) -> "Int8DynamicWeight":
         codes, scales = int8_rows(weight)
-        qweight = torch._make_per_channel_quantized_tensor(
-            codes, scales.double(), torch.zeros(codes.shape[0], dtype=torch.long), 0)
+        with warnings.catch_warnings():  # quantized tensors are deprecated after torch 2.13 (pinned here)
+            warnings.filterwarnings("ignore", message=".*quantized tensor creation functions.*")
+            qweight = torch._make_per_channel_quantized_tensor(
+                codes, scales.double(), torch.zeros(codes.shape[0], dtype=torch.long), 0)
         del codes  # the quantized tensor holds its own copy; keep the packing peak at two copies
         return cls(torch.ops.quantized.linear_prepack(qweight, None), weight.shape)
 

@@ -1,0 +1,344 @@
+"""Quantized weight path: GGUF blocks -> torch kernels, per layer and for whole models.
+
+Tolerances (relative Frobenius error of y = x W^T against x @ dequantize(W)^T, float32):
+  int4     1%  bf16 activations, scales and zeros; the 4-bit codes are exact (measured ~0.3%)
+  int8     2%  weights requantised to int8 per row, bf16 activations (measured ~0.5-1.5%)
+  int8dyn  6%  int8 weights and 7-bit per-row activations (measured ~2-4%)
+Whole models are compared with transformers' own dequantising GGUF loader on tiny files
+written here with the `gguf` package (Q4_K and Q6_K blocks are packed by hand: gguf-py
+has no quantiser for them; the packers are checked against gguf-py's dequantiser).
+"""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from specav.models import CheckpointError, load_checkpoint
+from specav.models.quant import QuantizedEmbedding, QuantizedLinear, load_quantized
+from specav.models.quant_choice import (FixedRule, KernelPlan, MeasuredChoice, machine_key,
+                                        plan_from_times)
+from specav.models.quant_formats import GGUFWeight, dequantize, int4_groups
+from specav.models.quant_kernels import KERNELS, Int8DynamicWeight
+from tests.tiny_models import save_tiny_checkpoint
+
+T = gguf.GGMLQuantizationType
+TOLERANCE = {"int4": 0.01, "int8": 0.02, "int8dyn": 0.06}
+# Relative error of the logits of a tiny 2-layer model. Measured: q4 1.4%, auto 2.5-3%; the same
+# weights run densely in bf16: 0.6%; a wrong tensor mapping: ~100%.
+WHOLE_MODEL_TOLERANCE = {"q4": 0.03, "auto": 0.06}
+
+
+# ---------------------------------------------------------------- hand packers for K-quants
+
+def quantize_q4_k(x: np.ndarray) -> np.ndarray:
+    """Rows # [n, K] (K % 256 == 0) -> Q4_K blocks # [n, K / 256 * 144] (simple min/max rounding)."""
+    n = x.shape[0]
+    b = x.astype(np.float32).reshape(-1, 8, 32)  # [nb, sub-block, 32]
+    lo, hi = np.minimum(b.min(-1), 0), np.maximum(b.max(-1), 0)
+    d = (((hi - lo) / 15).max(-1, keepdims=True) / 63).astype(np.float16)  # [nb, 1]
+    dmin = ((-lo).max(-1, keepdims=True) / 63).astype(np.float16)
+    sc = np.clip(np.round((hi - lo) / 15 / np.maximum(d.astype(np.float32), 1e-30)), 0, 63).astype(np.uint8)
+    m = np.clip(np.round(-lo / np.maximum(dmin.astype(np.float32), 1e-30)), 0, 63).astype(np.uint8)
+    scale = d.astype(np.float32) * sc
+    q = np.clip(np.round((b + (dmin.astype(np.float32) * m)[..., None]) / np.maximum(scale, 1e-30)[..., None]),
+                0, 15).astype(np.uint8)  # [nb, 8, 32]
+    packed_scales = np.concatenate([
+        sc[:, :4] | ((sc[:, 4:] >> 4) << 6), m[:, :4] | ((m[:, 4:] >> 4) << 6),
+        (sc[:, 4:] & 0x0F) | ((m[:, 4:] & 0x0F) << 4)], axis=1)  # [nb, 12]
+    qs = (q[:, 0::2] | (q[:, 1::2] << 4)).reshape(-1, 128)  # sub-blocks 2c (low) and 2c+1 (high)
+    blocks = np.concatenate([d.view(np.uint8), dmin.view(np.uint8), packed_scales, qs], axis=1)
+    return blocks.reshape(n, -1)
+
+
+def quantize_q6_k(x: np.ndarray) -> np.ndarray:
+    """Rows # [n, K] (K % 256 == 0) -> Q6_K blocks # [n, K / 256 * 210]."""
+    n = x.shape[0]
+    b = x.astype(np.float32).reshape(-1, 16, 16)  # [nb, sub-block, 16]
+    s = np.abs(b).max(-1) / 31  # [nb, 16]
+    d = (s.max(-1, keepdims=True) / 127).astype(np.float16)
+    sc = np.clip(np.round(s / np.maximum(d.astype(np.float32), 1e-30)), -128, 127).astype(np.int8)
+    scale = d.astype(np.float32) * sc
+    q = (np.clip(np.round(b / np.maximum(scale, 1e-30)[..., None]), -32, 31) + 32).astype(np.uint8).reshape(-1, 256)
+    lo = (q & 0x0F).reshape(-1, 2, 2, 64)  # element 128 h + 64 s + j -> low nibble of ql[64 h + j] << 4 s
+    hi = (q >> 4).reshape(-1, 2, 4, 32)  # element 128 h + 32 t + i -> 2 bits of qh[32 h + i] << 2 t
+    ql = (lo[:, :, 0] | (lo[:, :, 1] << 4)).reshape(-1, 128)
+    qh = (hi[:, :, 0] | (hi[:, :, 1] << 2) | (hi[:, :, 2] << 4) | (hi[:, :, 3] << 6)).reshape(-1, 64)
+    blocks = np.concatenate([ql, qh, sc.view(np.uint8), d.view(np.uint8)], axis=1)
+    return blocks.reshape(n, -1)
+
+
+def quantize(x: np.ndarray, qtype: T) -> np.ndarray:
+    packers = {T.Q4_K: quantize_q4_k, T.Q6_K: quantize_q6_k}
+    return packers[qtype](x) if qtype in packers else gguf.quants.quantize(x, qtype)
+
+
+def random_weight(qtype: T, n: int = 96, k: int = 512, seed: int = 0) -> GGUFWeight:
+    x = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32) * 0.1
+    return GGUFWeight(f"w.{qtype.name}", qtype, (n, k), quantize(x, qtype))
+
+
+# ---------------------------------------------------------------- formats
+
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K])
+def test_hand_packers_round_trip_through_gguf_dequantiser(qtype):
+    x = np.random.default_rng(1).standard_normal((8, 512)).astype(np.float32)
+    back = gguf.quants.dequantize(quantize(x, qtype), qtype)
+    step = {T.Q4_K: 2 * np.abs(x).max() / 15, T.Q6_K: np.abs(x).max() / 31}[qtype]
+    assert np.abs(back - x).max() <= step  # a wrong bit layout gives errors of order |x|
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q4_0, T.Q4_1])
+def test_int4_groups_reproduce_dequantisation_exactly(qtype):
+    weight = random_weight(qtype)
+    codes, scales, zeros = int4_groups(weight)
+    rebuilt = (codes.float() - 8) * scales.repeat_interleave(32, 1) + zeros.repeat_interleave(32, 1)
+    assert codes.max() <= 15
+    assert torch.equal(rebuilt, dequantize(weight))
+
+
+def test_llama_rows_permute_whole_blocks():
+    from specav.models.quant import _rotary_row_order
+
+    order = _rotary_row_order(8, heads=1)  # one head of 8 rows: interleaved pairs -> halves
+    assert order.tolist() == [0, 2, 4, 6, 1, 3, 5, 7]
+
+
+# ---------------------------------------------------------------- kernels, per layer
+
+KERNEL_CASES = [(k, q) for q in (T.Q4_K, T.Q5_0, T.Q6_K, T.Q8_0, T.Q4_0, T.Q4_1)
+                for k in KERNELS if KERNELS[k].supports(q)]
+
+
+@pytest.mark.parametrize("kernel,qtype", KERNEL_CASES, ids=[f"{k}-{q.name}" for k, q in KERNEL_CASES])
+@pytest.mark.parametrize("rows", [1, 5, 33])
+def test_kernel_matches_dequantised_reference(kernel, qtype, rows):
+    weight = random_weight(qtype, seed=rows)
+    x = torch.randn(rows, weight.shape[1], generator=torch.Generator().manual_seed(rows))  # [T, K]
+    reference = x @ dequantize(weight).t()  # [T, N]
+    y = KERNELS[kernel].pack(weight).matmul(x)
+    assert y.shape == reference.shape and y.dtype == torch.float32
+    error = ((y - reference).norm() / reference.norm()).item()
+    assert error < TOLERANCE[kernel], f"{kernel} on {qtype.name}: relative error {error:.4f}"
+
+
+def test_int8dyn_rows_do_not_depend_on_each_other():
+    packed = Int8DynamicWeight.pack(random_weight(T.Q6_K))
+    x = torch.randn(9, 512, generator=torch.Generator().manual_seed(0))
+    x[3] *= 100  # a large row must not change the quantisation of the others
+    together = packed.matmul(x)
+    alone = torch.cat([packed.matmul(x[i:i + 1]) for i in range(9)])
+    torch.testing.assert_close(together, alone, atol=1e-5, rtol=1e-5)
+
+
+def test_quantized_linear_routes_rows_and_keeps_shape_and_dtype():
+    weight = random_weight(T.Q4_K, n=64, k=256)
+    bias = torch.randn(64)
+    plan = KernelPlan((1, 4, 16), ("int4", "int8", "int8dyn"))
+    layer = QuantizedLinear({k: KERNELS[k].pack(weight) for k in plan.distinct}, plan, bias)
+    used = []
+    for name, packed in layer.packed.items():
+        original = packed.matmul
+        packed.matmul = lambda x, name=name, original=original: used.append(name) or original(x)
+    x = torch.randn(2, 3, 256, dtype=torch.bfloat16)  # 6 rows -> the 4-row plan
+    y = layer(x)
+    assert y.shape == (2, 3, 64) and y.dtype == torch.bfloat16 and used == ["int8"]
+    layer(torch.randn(1, 256))
+    layer(torch.randn(40, 256))
+    assert used == ["int8", "int4", "int8dyn"]
+    reference = x.float().reshape(6, 256) @ dequantize(weight).t() + bias
+    torch.testing.assert_close(y.float().reshape(6, 64), reference, atol=0.05, rtol=0.05)
+
+
+def test_quantized_embedding_is_exact():
+    weight = random_weight(T.Q4_K, n=50, k=256)
+    ids = torch.tensor([[3, 7, 3], [49, 0, 1]])
+    out = QuantizedEmbedding(weight)(ids)
+    assert out.shape == (2, 3, 256)
+    assert torch.equal(out, dequantize(weight)[ids])
+
+
+# ---------------------------------------------------------------- kernel choice
+
+def test_plan_prefers_one_kernel_within_ten_percent():
+    times = {"int4": [1.0, 3.0, 9.0, 30.0], "int8dyn": [1.05, 1.0, 2.0, 5.0]}
+    assert plan_from_times(times).kernels == ("int8dyn",) * 4  # 5% slower at 1 row: not worth a copy
+    times["int4"][0] = 0.5
+    assert plan_from_times(times).kernels == ("int4", "int8dyn", "int8dyn", "int8dyn")
+
+
+def test_plan_row_buckets_are_nearest_on_log_scale():
+    plan = KernelPlan((1, 4, 16, 64), ("a", "b", "c", "d"))
+    assert [plan.kernel_for(t) for t in (1, 2, 3, 7, 8, 9, 31, 33, 1000)] == list("aabbbccdd")
+
+
+def test_fixed_rule_is_exact_where_it_can_be():
+    rule = FixedRule()
+    assert rule.plan(random_weight(T.Q4_K)).kernels == ("int4",)
+    assert rule.plan(random_weight(T.Q5_0)).kernels == ("int8",)
+
+
+def test_measured_choice_is_cached_on_disk(tmp_path, monkeypatch):
+    import specav.models.quant_choice as choice
+
+    path = tmp_path / "profile.json"
+    weight = random_weight(T.Q4_K, n=64, k=256)
+    first = MeasuredChoice(path).plan(weight)  # really measures
+    assert set(first.kernels) <= {"int4", "int8", "int8dyn"} and path.exists()
+    monkeypatch.setattr(choice, "measure", lambda packed: pytest.fail("measured again despite the cache"))
+    again = MeasuredChoice(path)
+    assert again.plan(weight) == first
+    assert set(again.profile()["Q4_K 64x256"]) == {"int4", "int8", "int8dyn"}
+    assert machine_key() in path.read_text()
+
+
+# ---------------------------------------------------------------- whole models from tiny GGUF files
+
+HIDDEN, FFN, HEADS, KV_HEADS, VOCAB, LAYERS = 256, 512, 4, 2, 96, 2
+# Every GGUF type of the packaged pair, rotated over the layers so each sits in several places.
+TYPES = [T.Q4_K, T.Q5_0, T.Q6_K, T.Q8_0]
+LINEARS = {"attn_q": (HIDDEN, HIDDEN), "attn_k": (KV_HEADS * 64, HIDDEN), "attn_v": (KV_HEADS * 64, HIDDEN),
+           "attn_output": (HIDDEN, HIDDEN), "ffn_gate": (FFN, HIDDEN), "ffn_up": (FFN, HIDDEN),
+           "ffn_down": (HIDDEN, FFN)}
+
+
+def write_tiny_gguf(path, arch: str = "qwen2", seed: int = 0, tokenizer: bool = False):
+    rng = np.random.default_rng(seed)
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(LAYERS)
+    writer.add_context_length(512)
+    writer.add_embedding_length(HIDDEN)
+    writer.add_feed_forward_length(FFN)
+    writer.add_head_count(HEADS)
+    writer.add_head_count_kv(KV_HEADS)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_vocab_size(VOCAB)
+    if arch == "llama":
+        writer.add_rope_dimension_count(HIDDEN // HEADS)
+    if tokenizer:
+        writer.add_tokenizer_model("gpt2")
+        writer.add_token_list([chr(ord("!") + i) for i in range(VOCAB)])
+        writer.add_token_types([1] * VOCAB)
+        writer.add_token_scores([0.0] * VOCAB)
+        writer.add_token_merges([])
+        writer.add_bos_token_id(0)
+        writer.add_eos_token_id(1)
+
+    def matrix(name, shape, qtype, scale=0.06):
+        writer.add_tensor(name, quantize(rng.standard_normal(shape).astype(np.float32) * scale, qtype),
+                          raw_dtype=qtype)
+
+    def vector(name, size, mean=0.0, scale=0.1):
+        writer.add_tensor(name, (mean + scale * rng.standard_normal(size)).astype(np.float32))
+
+    matrix("token_embd.weight", (VOCAB, HIDDEN), T.Q4_K, scale=1.0)
+    matrix("output.weight", (VOCAB, HIDDEN), T.Q6_K)
+    vector("output_norm.weight", HIDDEN, mean=1.0)
+    for i in range(LAYERS):
+        for j, (name, shape) in enumerate(LINEARS.items()):
+            matrix(f"blk.{i}.{name}.weight", shape, TYPES[(i + j) % len(TYPES)])
+            if arch == "qwen2" and name in ("attn_q", "attn_k", "attn_v"):
+                vector(f"blk.{i}.{name}.bias", shape[0])
+        vector(f"blk.{i}.attn_norm.weight", HIDDEN, mean=1.0)
+        vector(f"blk.{i}.ffn_norm.weight", HIDDEN, mean=1.0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def transformers_logits(path, ids: list[int]) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    with torch.inference_mode():
+        return model(torch.tensor([ids]), use_cache=False).logits[0].float()  # [S, V]
+
+
+def fake_measure(packed):
+    """int4 fastest at 1 row, int8 at 4, int8dyn beyond: every layer mixes kernels by row count."""
+    fast = {"int4": [1, 9, 9, 9], "int8": [9, 1, 9, 9], "int8dyn": [9, 9, 1, 1]}
+    return [float(t) for t in fast[packed.kernel]]
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+@pytest.mark.parametrize("mode", ["q4", "auto"])
+def test_whole_model_matches_transformers_dequantised_forward(tmp_path, monkeypatch, arch, mode):
+    import specav.models.quant_choice as choice
+
+    monkeypatch.setattr(choice, "measure", fake_measure)
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", arch)
+    ids = torch.randint(2, VOCAB, (12,), generator=torch.Generator().manual_seed(0)).tolist()
+    reference = transformers_logits(path, ids)  # [12, V]
+    model = load_quantized(path, mode, tmp_path / "profile.json")
+    assert not any(isinstance(m, (nn.Linear, nn.Embedding)) for m in model.hf_model.modules())
+    assert model.dtype == torch.float32
+
+    # The same tokens packed three ways: a 12-token prefill (12 rows), then 1 + 4 rows in two calls.
+    whole = model.forward([ids], [model.new_cache()], [12]).logits
+    cache = model.new_cache()
+    first = model.forward([ids[:7]], [cache], [7]).logits
+    then = torch.cat([model.forward([ids[7:8]], [cache], [1]).logits,
+                      model.forward([ids[8:]], [cache], [4]).logits])
+    for logits in (whole, torch.cat([first, then])):
+        error = ((logits - reference).norm() / reference.norm()).item()
+        assert error < WHOLE_MODEL_TOLERANCE[mode], f"{arch} {mode}: relative logit error {error:.4f}"
+        assert (logits.argmax(-1) == reference.argmax(-1)).float().mean() >= 0.9
+
+
+def test_loader_selects_the_quantized_path_by_dtype(tmp_path):
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", "qwen2", tokenizer=True)
+    checkpoint = load_checkpoint(str(path), dtype="q4")
+    assert isinstance(checkpoint.model.lm_head, QuantizedLinear) and checkpoint.gguf_path == path
+    assert checkpoint.model.vocab_size == VOCAB
+    hf_dir = save_tiny_checkpoint(tmp_path / "hf")
+    with pytest.raises(CheckpointError, match="'q4' runs a GGUF file.*Hugging Face directory.*.gguf"):
+        load_checkpoint(hf_dir, dtype="q4")
+    dense = load_checkpoint(hf_dir, dtype="auto")  # a dense checkpoint: the faster dense dtype here
+    assert dense.model.dtype in (torch.float32, torch.bfloat16)
+
+
+def test_missing_tensor_is_named(tmp_path):
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", "qwen2")
+    reader = gguf.GGUFReader(path)
+    writer = gguf.GGUFWriter(str(tmp_path / "cut.gguf"), "qwen2")
+    for field in reader.fields.values():
+        if field.name.startswith("qwen2."):
+            writer.add_key_value(field.name, field.contents(), field.types[0])
+    for t in reader.tensors:
+        if t.name != "blk.1.ffn_up.weight":
+            writer.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match="no tensor 'blk.1.ffn_up.weight'"):
+        load_quantized(tmp_path / "cut.gguf", "q4")
+
+
+# ---------------------------------------------------------------- the packaged files' own tensors
+
+@pytest.mark.e2e
+def test_packaged_tensors_of_every_type_match_their_dequantisation():
+    """One real tensor of each type in the packaged pair, through every kernel that holds it."""
+    from specav.models import packaged
+
+    seen = {}
+    for model in (packaged.TARGET, packaged.DRAFTER):
+        for tensor in gguf.GGUFReader(packaged.assembled_gguf(model)).tensors:
+            if tensor.name.startswith("blk.1.") and len(tensor.shape) == 2:
+                seen.setdefault(tensor.tensor_type, GGUFWeight.from_reader(tensor))
+    assert {T.Q4_K, T.Q5_0, T.Q6_K, T.Q8_0} <= set(seen)
+    x = torch.randn(4, 8960, generator=torch.Generator().manual_seed(0))
+    for qtype, weight in seen.items():
+        rows = x[:, :weight.shape[1]]  # [4, K]
+        reference = rows @ dequantize(weight).t()
+        for kernel in (k for k in KERNELS if KERNELS[k].supports(qtype)):
+            y = KERNELS[kernel].pack(weight).matmul(rows)
+            error = ((y - reference).norm() / reference.norm()).item()
+            assert error < TOLERANCE[kernel], f"{kernel} on {weight.name} ({qtype.name}): {error:.4f}"
