@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 
 import numpy as np
-import torch
 
 from specav.cli import encode_prompt
 from specav.config import EngineConfig, EstimatorConfig, ModelConfig, SamplingParams, SpeculativeConfig

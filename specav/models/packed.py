@@ -108,8 +108,8 @@ class PackedCausalLM:
             values.append(vb)
         out = F.scaled_dot_product_attention(
             layout.pad_queries(q).transpose(1, 2),  # [B, H, n_max, D]
-            pad_sequence(keys, batch_first=True).transpose(1, 2),  # [B, Hkv, P_max, D]
-            pad_sequence(values, batch_first=True).transpose(1, 2),  # [B, Hkv, P_max, D]
+            _pad(keys).transpose(1, 2),  # [B, Hkv, P_max, D]
+            _pad(values).transpose(1, 2),  # [B, Hkv, P_max, D]
             attn_mask=layout.mask, scale=attn.scaling, enable_gqa=True)  # [B, H, n_max, D]
         out = layout.unpad(out.transpose(1, 2))  # [T, H, D]
         return attn.o_proj(out.reshape(t, self.num_heads * self.head_dim))
@@ -147,6 +147,11 @@ class _PaddedLayout:
     def unpad(self, out: torch.Tensor) -> torch.Tensor:
         """# [B, n_max, H, D] -> # [T, H, D]."""
         return out.reshape(-1, *out.shape[2:])[self.rows]
+
+
+def _pad(per_request: list[torch.Tensor]) -> torch.Tensor:
+    """# B x [P_b, Hkv, D] -> # [B, P_max, Hkv, D]; a single request is a view, not a copy."""
+    return per_request[0][None] if len(per_request) == 1 else pad_sequence(per_request, batch_first=True)
 
 
 def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
