@@ -18,7 +18,7 @@ Must not know: the target model, rejection sampling or the planner.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 
@@ -32,10 +32,6 @@ from specav.types import AcceptResult, DraftBatch
 from specav.verification.sampling import sample
 
 FEATURE_NAMES = ("logit_q_max", "q_max", "entropy", "top2_margin", "q_sampled", "q_max_truncated")
-
-# Called after slot i is drafted for the requests still drafting; returns which of them
-# should draft slot i + 1. It may look at slots 1..i only (architecture.md, early stop).
-ContinueRule = Callable[[int, torch.Tensor, dict[str, torch.Tensor]], torch.Tensor]
 
 
 @dataclass(slots=True)
@@ -59,50 +55,44 @@ class DraftModelDrafter:
             self._states[request.request_id] = _State(self.model.new_cache(), list(request.prompt_ids))
         return self._states[request.request_id]
 
-    def propose(self, requests: Sequence[Request], num_slots: Sequence[int],
-                keep_drafting: ContinueRule | None = None) -> DraftBatch:
+    def propose(self, requests: Sequence[Request], num_slots: Sequence[int]) -> DraftBatch:
         b, k = len(requests), max(num_slots, default=0)
         token_ids = torch.full((b, k), -1, dtype=torch.int64)  # [B, K]
         features = {n: torch.full((b, k), float("nan")) for n in FEATURE_NAMES}  # name -> [B, K]
-        slot_probs: list[list[torch.Tensor]] = [[] for _ in range(b)]
+        slot_probs: list[list[torch.Tensor]] = [[] for _ in range(b)]  # per request, its q_i rows
         slot_hidden: list[list[torch.Tensor]] = [[] for _ in range(b)]
-        active = [i for i in range(b) if num_slots[i] > 0]
         states = [self._state(r) for r in requests]
         for slot in range(k):
-            if not active:
-                break
+            active = [i for i in range(b) if num_slots[i] > slot]
             feed = [states[i].pending if slot == 0 else [int(token_ids[i, slot - 1])] for i in active]
             out = self.model.forward(feed, [states[i].cache for i in active], [1] * len(active))
             rows = SamplingRows.of([requests[i] for i in active], [1] * len(active))
             probs = rows.probs(out.logits)  # [A, V]
             tokens = sample(probs, rows.generators)  # [A]
-            f = compute_slot_features(rows.scaled_logits(out.logits), probs, tokens, self.feature_clamp)
-            truncated = probs.max(dim=-1).values  # [A] q_max after top-k / top-p: logged, never scored
+            idx = torch.tensor(active)
+            token_ids[idx, slot] = tokens
+            for name, value in self._features(rows, out.logits, probs, tokens).items():
+                features[name][idx, slot] = value
             for j, i in enumerate(active):
-                token_ids[i, slot] = tokens[j]
                 slot_probs[i].append(probs[j])
                 if self.keep_hidden:
                     slot_hidden[i].append(out.hidden[j])
-                for name in FEATURE_NAMES[:-1]:
-                    features[name][i, slot] = getattr(f, name)[j]
-                features["q_max_truncated"][i, slot] = truncated[j]
-            if slot == 0:
-                for i in active:
+                if slot == 0:
                     states[i].pending = []
-            still = [i for i in active if num_slots[i] > slot + 1]
-            if keep_drafting is not None and still:
-                idx = torch.tensor(still)
-                keep = keep_drafting(slot, idx, {n: v[idx, : slot + 1] for n, v in features.items()})
-                still = [i for i, kept in zip(still, keep.tolist()) if kept]
-            active = still
-        num_drafted = (token_ids >= 0).sum(1)  # [B]
         flat = [p for per in slot_probs for p in per]
-        probs = torch.stack(flat) if flat else torch.zeros(0, self.model.vocab_size)
-        hidden = None
-        if self.keep_hidden:
-            flat_h = [h for per in slot_hidden for h in per]
-            hidden = torch.stack(flat_h) if flat_h else None
-        return DraftBatch(token_ids, num_drafted, probs, features, hidden)
+        flat_hidden = [h for per in slot_hidden for h in per]
+        return DraftBatch(token_ids, (token_ids >= 0).sum(1),
+                          torch.stack(flat) if flat else torch.zeros(0, self.model.vocab_size), features,
+                          torch.stack(flat_hidden) if flat_hidden else None)
+
+    def _features(self, rows: SamplingRows, logits: torch.Tensor, probs: torch.Tensor,
+                  tokens: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Every logged feature of A slots # [A]: from temperature-scaled, untruncated logits, plus
+        q_sampled (lossy) and q_max after top-k/top-p (both logged for evaluation, never scored)."""
+        f = compute_slot_features(rows.scaled_logits(logits), probs, tokens, self.feature_clamp)
+        values = {name: getattr(f, name) for name in FEATURE_NAMES if name != "q_max_truncated"}
+        values["q_max_truncated"] = probs.max(dim=-1).values
+        return values
 
     def commit(self, requests: Sequence[Request], drafts: DraftBatch, result: AcceptResult) -> None:
         for b, request in enumerate(requests):
