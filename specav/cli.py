@@ -150,6 +150,7 @@ BENCHMARKS = {
     "estimator": "specav.bench.estimator_cost",
     "calibration": "specav.bench.calibration",
     "report": "specav.bench.report_speed",
+    "quantized": "specav.bench.quantized",
 }
 
 

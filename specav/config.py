@@ -133,7 +133,7 @@ class EstimatorConfig:
                "a finite number")
 
 
-DTYPES = ("bf16", "fp32")
+DTYPES = ("bf16", "fp32", "q4", "auto")
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,6 +141,12 @@ class ModelConfig:
     """Which checkpoint to load and at what precision.
 
     path: local HF directory (safetensors), a local .gguf file, or "default" for the packaged target.
+    dtype: "bf16" (the exact reference, matching transformers), "fp32" (float32 on the same
+    weights), "q4" (a GGUF file's quantized weights run natively: 4-bit types keep their exact
+    codes, the others are requantised to int8 per row; float32 activations), or "auto" (the
+    fastest kernel per layer and row count, measured once per machine; it may quantise
+    activations to int8 per row; on a dense HF directory, bf16).
+    Speculative decoding is lossless with respect to whichever target precision runs.
     """
 
     path: str = "default"

@@ -2,8 +2,10 @@
 
 Tolerances (relative Frobenius error of y = x W^T against x @ dequantize(W)^T, float32):
   int4     1%  bf16 activations, scales and zeros; the 4-bit codes are exact (measured ~0.3%)
-  int8     2%  weights requantised to int8 per row, bf16 activations (measured ~0.5-1.5%)
-  int8dyn  6%  int8 weights and 7-bit per-row activations (measured ~2-4%)
+  int8     4%  weights requantised to int8 per row, bf16 activations (measured 0.5-1.5% on random
+               weights; on the packaged files' tensors the weights alone move by 0.8-3.2%, worst
+               for Q6_K ffn_down, whose rows have outliers)
+  int8dyn  7%  int8 weights as above and 7-bit per-row activations (measured 2-4%)
 Whole models are compared with transformers' own dequantising GGUF loader on tiny files
 written here with the `gguf` package (Q4_K and Q6_K blocks are packed by hand: gguf-py
 has no quantiser for them; the packers are checked against gguf-py's dequantiser).
@@ -22,11 +24,12 @@ from specav.models.quant import QuantizedEmbedding, QuantizedLinear, load_quanti
 from specav.models.quant_choice import (FixedRule, KernelPlan, MeasuredChoice, machine_key,
                                         plan_from_times)
 from specav.models.quant_formats import GGUFWeight, dequantize, int4_groups
-from specav.models.quant_kernels import KERNELS, Int8DynamicWeight
+from specav.models.quant_gguf import read_header
+from specav.models.quant_kernels import KERNELS
 from tests.tiny_models import save_tiny_checkpoint
 
 T = gguf.GGMLQuantizationType
-TOLERANCE = {"int4": 0.01, "int8": 0.02, "int8dyn": 0.06}
+TOLERANCE = {"int4": 0.01, "int8": 0.04, "int8dyn": 0.07}
 # Relative error of the logits of a tiny 2-layer model. Measured: q4 1.4%, auto 2.5-3%; the same
 # weights run densely in bf16: 0.6%; a wrong tensor mapping: ~100%.
 WHOLE_MODEL_TOLERANCE = {"q4": 0.03, "auto": 0.06}
@@ -125,13 +128,16 @@ def test_kernel_matches_dequantised_reference(kernel, qtype, rows):
     assert error < TOLERANCE[kernel], f"{kernel} on {qtype.name}: relative error {error:.4f}"
 
 
-def test_int8dyn_rows_do_not_depend_on_each_other():
-    packed = Int8DynamicWeight.pack(random_weight(T.Q6_K))
+@pytest.mark.parametrize("kernel", list(KERNELS))
+def test_rows_do_not_depend_on_each_other(kernel):
+    """Bit for bit: a row's output is the same alone or packed with others (so with one kernel
+    per layer, as in q4, a request's logits do not depend on what else is verified with it)."""
+    packed = KERNELS[kernel].pack(random_weight(T.Q4_K, n=256, k=512))
     x = torch.randn(9, 512, generator=torch.Generator().manual_seed(0))
-    x[3] *= 100  # a large row must not change the quantisation of the others
-    together = packed.matmul(x)
+    x[3] *= 100  # a large row must not change the others (int8dyn quantises each row alone)
     alone = torch.cat([packed.matmul(x[i:i + 1]) for i in range(9)])
-    torch.testing.assert_close(together, alone, atol=1e-5, rtol=1e-5)
+    for rows in (2, 5, 9):
+        assert torch.equal(packed.matmul(x[:rows]), alone[:rows])
 
 
 def test_quantized_linear_routes_rows_and_keeps_shape_and_dtype():
@@ -163,11 +169,13 @@ def test_quantized_embedding_is_exact():
 
 # ---------------------------------------------------------------- kernel choice
 
-def test_plan_prefers_one_kernel_within_ten_percent():
-    times = {"int4": [1.0, 3.0, 9.0, 30.0], "int8dyn": [1.05, 1.0, 2.0, 5.0]}
-    assert plan_from_times(times).kernels == ("int8dyn",) * 4  # 5% slower at 1 row: not worth a copy
+def test_plan_keeps_at_most_two_kernels_and_a_second_only_for_real_gains():
+    times = {"int4": [1.0, 3.0, 9.0, 30.0], "int8dyn": [1.2, 1.0, 2.0, 5.0]}
+    assert plan_from_times(times).kernels == ("int8dyn",) * 4  # 20% slower at 1 row: not worth a copy
     times["int4"][0] = 0.5
     assert plan_from_times(times).kernels == ("int4", "int8dyn", "int8dyn", "int8dyn")
+    times["int8"] = [3.0, 3.0, 1.0, 30.0]  # a third kernel fastest at 16 rows: the gain goes unused
+    assert len(set(plan_from_times(times).kernels)) == 2
 
 
 def test_plan_row_buckets_are_nearest_on_log_scale():
@@ -188,7 +196,7 @@ def test_measured_choice_is_cached_on_disk(tmp_path, monkeypatch):
     weight = random_weight(T.Q4_K, n=64, k=256)
     first = MeasuredChoice(path).plan(weight)  # really measures
     assert set(first.kernels) <= {"int4", "int8", "int8dyn"} and path.exists()
-    monkeypatch.setattr(choice, "measure", lambda packed: pytest.fail("measured again despite the cache"))
+    monkeypatch.setattr(choice, "measure", lambda candidates: pytest.fail("measured again despite the cache"))
     again = MeasuredChoice(path)
     assert again.plan(weight) == first
     assert set(again.profile()["Q4_K 64x256"]) == {"int4", "int8", "int8dyn"}
@@ -214,7 +222,7 @@ def write_tiny_gguf(path, arch: str = "qwen2", seed: int = 0, tokenizer: bool = 
     writer.add_feed_forward_length(FFN)
     writer.add_head_count(HEADS)
     writer.add_head_count_kv(KV_HEADS)
-    writer.add_rope_freq_base(10000.0)
+    writer.add_rope_freq_base(50000.0)  # not the default: a dropped rope_theta would show
     writer.add_layer_norm_rms_eps(1e-6)
     writer.add_vocab_size(VOCAB)
     if arch == "llama":
@@ -260,10 +268,10 @@ def transformers_logits(path, ids: list[int]) -> torch.Tensor:
         return model(torch.tensor([ids]), use_cache=False).logits[0].float()  # [S, V]
 
 
-def fake_measure(packed):
-    """int4 fastest at 1 row, int8 at 4, int8dyn beyond: every layer mixes kernels by row count."""
-    fast = {"int4": [1, 9, 9, 9], "int8": [9, 1, 9, 9], "int8dyn": [9, 9, 1, 1]}
-    return [float(t) for t in fast[packed.kernel]]
+def fake_measure(candidates):
+    """int4 fastest at 1 row (where it can run), int8dyn beyond: layers mix kernels by row count."""
+    fast = {"int4": [1, 9, 9, 9], "int8": [2, 9, 9, 9], "int8dyn": [9, 1, 1, 1]}
+    return {k: [float(t) for t in fast[k]] for k in candidates}
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
@@ -299,8 +307,8 @@ def test_loader_selects_the_quantized_path_by_dtype(tmp_path):
     hf_dir = save_tiny_checkpoint(tmp_path / "hf")
     with pytest.raises(CheckpointError, match="'q4' runs a GGUF file.*Hugging Face directory.*.gguf"):
         load_checkpoint(hf_dir, dtype="q4")
-    dense = load_checkpoint(hf_dir, dtype="auto")  # a dense checkpoint: the faster dense dtype here
-    assert dense.model.dtype in (torch.float32, torch.bfloat16)
+    dense = load_checkpoint(hf_dir, dtype="auto")  # a dense checkpoint: nothing to quantize, bf16
+    assert dense.model.dtype == torch.bfloat16
 
 
 def test_missing_tensor_is_named(tmp_path):
@@ -321,6 +329,23 @@ def test_missing_tensor_is_named(tmp_path):
         load_quantized(tmp_path / "cut.gguf", "q4")
 
 
+def test_header_reader_matches_gguf_reader_and_refuses_truncated_files(tmp_path):
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", "qwen2", tokenizer=True)
+    header = read_header(path)
+    for t in gguf.GGUFReader(path).tensors:
+        info = header.tensors[t.name]
+        assert (info.offset, info.nbytes, info.qtype) == (t.data_offset, t.n_bytes, t.tensor_type)
+        assert np.array_equal(header.weight(t.name).blocks.reshape(-1), np.asarray(t.data).view(np.uint8).reshape(-1))
+    assert header.field("qwen2.block_count") == LAYERS and header.field("tokenizer.ggml.tokens").length == VOCAB
+    data = path.read_bytes()
+    (tmp_path / "cut.gguf").write_bytes(data[:-100])
+    with pytest.raises(ValueError, match="cut.gguf.*truncated.*re-download"):
+        read_header(tmp_path / "cut.gguf")
+    (tmp_path / "short.gguf").write_bytes(data[:200])
+    with pytest.raises(ValueError, match="short.gguf.*(corrupt|truncated)"):
+        read_header(tmp_path / "short.gguf")
+
+
 # ---------------------------------------------------------------- the packaged files' own tensors
 
 @pytest.mark.e2e
@@ -330,9 +355,10 @@ def test_packaged_tensors_of_every_type_match_their_dequantisation():
 
     seen = {}
     for model in (packaged.TARGET, packaged.DRAFTER):
-        for tensor in gguf.GGUFReader(packaged.assembled_gguf(model)).tensors:
-            if tensor.name.startswith("blk.1.") and len(tensor.shape) == 2:
-                seen.setdefault(tensor.tensor_type, GGUFWeight.from_reader(tensor))
+        header = read_header(packaged.assembled_gguf(model))
+        for info in header.tensors.values():
+            if info.name.startswith("blk.1.") and len(info.dims) == 2 and info.qtype not in seen:
+                seen[info.qtype] = header.weight(info.name)
     assert {T.Q4_K, T.Q5_0, T.Q6_K, T.Q8_0} <= set(seen)
     x = torch.randn(4, 8960, generator=torch.Generator().manual_seed(0))
     for qtype, weight in seen.items():
@@ -341,4 +367,5 @@ def test_packaged_tensors_of_every_type_match_their_dequantisation():
         for kernel in (k for k in KERNELS if KERNELS[k].supports(qtype)):
             y = KERNELS[kernel].pack(weight).matmul(rows)
             error = ((y - reference).norm() / reference.norm()).item()
+            print(f"{kernel:8s} {weight.name:24s} {qtype.name:5s} relative error {error:.4f}")
             assert error < TOLERANCE[kernel], f"{kernel} on {weight.name} ({qtype.name}): {error:.4f}"

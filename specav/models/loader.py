@@ -12,7 +12,7 @@ the same bf16-rounded weights (a local GGUF file in fp32 keeps its full dequanti
 
 Quantized dtypes ("q4", "auto"; quant.py) run a GGUF file's quantized weights natively, so
 they need a GGUF file: the packaged models and local .gguf files. "auto" on a Hugging Face
-directory loads the faster dense dtype of this CPU (`quant_choice.dense_auto_dtype`).
+directory has nothing quantized to choose from and loads bf16.
 
 Must not know: drafting, sampling, the engine.
 """
@@ -29,7 +29,6 @@ import torch
 from specav.models import packaged
 from specav.models.packed import SUPPORTED_MODEL_TYPES, PackedCausalLM
 from specav.models.quant import QUANTIZED_DTYPES, QuantizedGGUFError, load_quantized
-from specav.models.quant_choice import dense_auto_dtype
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -66,7 +65,7 @@ def load_checkpoint(path: str, dtype: str = "bf16", role: str = "target") -> Che
             raise CheckpointError(f"dtype {dtype!r} runs a GGUF file's quantized weights, but {str(p)!r} is a "
                                   f"Hugging Face directory: pass its .gguf file, or use one of "
                                   f"{sorted(TORCH_DTYPES)} or 'auto'")
-        return _load_hf_dir(p, dense_auto_dtype() if dtype == "auto" else dtype)
+        return _load_hf_dir(p, "bf16" if dtype == "auto" else dtype)
     if p.suffix.lower() == ".gguf" or _starts_with_gguf_magic(p):
         return _load_gguf(p, dtype)
     raise CheckpointError(f"{role} checkpoint {str(p)!r} is neither a directory nor a GGUF file: pass a "

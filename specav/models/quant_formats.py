@@ -4,8 +4,8 @@ Owns: one GGUF tensor as its raw blocks (`GGUFWeight`), the float reference
 (`dequantize`, which is the `gguf` package's own dequantiser), and the two conversions the
 kernels need:
 
-- `int4_groups`: Q4_K (and Q4_0, Q4_1) -> 4-bit codes with one (scale, zero) per 32 columns, the layout of
-  torch's int4 CPU kernel, where w = (code - 8) * scale + zero. Q4_K stores
+- `int4_groups`: Q4_K (and Q4_0, Q4_1) -> 4-bit codes with one (scale, zero) per 32
+  columns, the layout of torch's int4 CPU kernel, where w = (code - 8) * scale + zero. Q4_K stores
   w = d * sc_j * q - dmin * m_j per 32-element sub-block j, so code = q, scale = d * sc_j and
   zero = 8 * d * sc_j - dmin * m_j. The codes are exact; scale and zero are exact in float32
   (d and dmin are float16, sc_j and m_j 6-bit integers) and the kernel rounds them to
@@ -26,7 +26,6 @@ Must not know: modules, kernels' speed, or which model the tensor belongs to.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import gguf
 import numpy as np
@@ -39,24 +38,12 @@ _ROW_CHUNK = 4096  # rows dequantised at a time when requantising (bounds the fl
 
 @dataclass(frozen=True, slots=True)
 class GGUFWeight:
-    """One 2-D GGUF tensor in its stored form: blocks # [N, bytes_per_row] (memory-mapped)."""
+    """One GGUF tensor in its stored form: blocks # [N, bytes_per_row] (quant_gguf.py reads them)."""
 
     name: str
     qtype: gguf.GGMLQuantizationType
     shape: tuple[int, int]  # (N, K) in torch order
-    blocks: np.ndarray  # [N, bytes_per_row] uint8, or [N, K] float for F32 / F16
-
-    @classmethod
-    def from_reader(cls, tensor: gguf.gguf_reader.ReaderTensor, path: Path | None = None) -> "GGUFWeight":
-        """The tensor's blocks: a view of the reader's memory map, or, with `path`, an owned copy
-        read from the file (so the map's pages never count in this process's memory)."""
-        dims = [int(d) for d in tensor.shape]
-        k, n = dims[0], int(np.prod(dims[1:], dtype=np.int64)) if len(dims) > 1 else 1
-        if path is None:
-            blocks = tensor.data
-        else:
-            blocks = np.fromfile(path, dtype=tensor.data.dtype, count=tensor.data.size, offset=tensor.data_offset)
-        return cls(tensor.name, tensor.tensor_type, (n, k), blocks.reshape(n, -1))
+    blocks: np.ndarray  # [N, bytes_per_row] uint8
 
     @property
     def nbytes(self) -> int:

@@ -1,0 +1,327 @@
+"""Benchmark: the quantized weight path against bf16 / fp32 and llama.cpp, target-only, in one run.
+
+    python -m specav.bench.quantized [--dtypes bf16,fp32,q4,auto] [--tokens 48] [--prompts 1] [--threads N]
+
+All dtypes of the packaged target are loaded side by side and measured in turns (one
+forward or one decoding run of each, then the next round), so load from other processes
+on a shared machine falls on all of them alike; llama.cpp takes its turn in the decoding
+rounds. Printed:
+
+- per dtype: load time; the packed forward's time for 1, 4, 8 and 16 new tokens on a
+  128-token context (logits for every new token; median of --repeats); greedy
+  target-only decoding through the engine (no drafter, EOS ignored): prefill seconds and
+  decode tokens/s (one over the median time per token); the speed-up over bf16;
+- for each dtype against bf16's greedy output: the identical prefix of the free-running
+  output, the argmax agreement when fed bf16's tokens (teacher forcing) and the mean
+  KL(bf16 || dtype) there;
+- for auto, the kernel times it measured and the kernel each layer shape runs per row count;
+- the memory of the packaged pair (target + drafter) in q4 and auto, each in a fresh process;
+- llama.cpp target-only greedy decoding of the same GGUF file and prompts, when
+  llama-cpp-python is installed (an optional benchmark extra, never a test dependency).
+
+Goals (issue 6): auto at least 3x bf16 and 0.8x llama.cpp target-only tokens/s; both
+models in q4 under 3 GiB. This program owns no model logic; it loads like the engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+import psutil
+import torch
+
+from specav.cli import encode_prompt
+from specav.config import EngineConfig, SamplingParams
+from specav.engine.engine import Engine, eos_token_ids
+from specav.evaluation.workloads import load_workload
+from specav.models import Checkpoint, load_checkpoint, packaged
+from specav.models.loader import KERNEL_PROFILE
+from specav.models.quant import quantized_nbytes
+from specav.models.quant_choice import ROW_BUCKETS, MeasuredChoice, plan_from_times
+
+ROWS = (1, 4, 8, 16)
+CONTEXT = 128
+WORKLOADS = ("code", "prose")
+MEMORY_GOAL_GIB = 3.0
+LLAMA_CPP = "llama.cpp"
+
+
+@dataclass(slots=True)
+class Decoded:
+    tokens: list[int]
+    prefill_s: float
+    step_s: list[float]  # seconds per decoded token after the first
+
+
+@dataclass(slots=True)
+class Result:
+    """One dtype (or llama.cpp): timings and outputs gathered over the rounds."""
+
+    name: str
+    load_s: float = 0.0
+    forward_s: dict[int, list[float]] = field(default_factory=lambda: {n: [] for n in ROWS})
+    decoded: list[Decoded] = field(default_factory=list)  # one per prompt
+
+    @property
+    def prefill_s(self) -> float:
+        return statistics.mean(d.prefill_s for d in self.decoded)
+
+    @property
+    def decode_tps(self) -> float:
+        return 1.0 / statistics.median(s for d in self.decoded for s in d.step_s)
+
+    def forward_ms(self, rows: int) -> float:
+        return 1e3 * statistics.median(self.forward_s[rows])
+
+
+def decode(checkpoint: Checkpoint, prompt: list[int], tokens: int) -> Decoded:
+    """Greedy target-only decoding through the engine (no drafter), timing every step."""
+    engine = Engine(checkpoint.model, checkpoint.tokenizer, None, EngineConfig(speculative=None),
+                    eos_token_ids(checkpoint))
+    request = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True))
+    times = []
+    while engine.has_work():
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+    return Decoded(list(request.output_ids), times[0], times[1:])
+
+
+def llama_cpp_decode(llm, prompt: list[int], tokens: int) -> Decoded:
+    """llama.cpp greedy decoding of the same prompt tokens (llama-cpp-python's generator)."""
+    llm.reset()
+    out, stamps = [], [time.perf_counter()]
+    for token in llm.generate(prompt, temp=0.0, top_k=1, top_p=1.0, repeat_penalty=1.0, reset=True):
+        out.append(int(token))
+        stamps.append(time.perf_counter())
+        if len(out) == tokens:
+            break
+    steps = [b - a for a, b in zip(stamps[1:], stamps[2:])]
+    return Decoded(out, stamps[1] - stamps[0], steps)
+
+
+def time_forward(model, cache, new: list[int]) -> float:
+    """Seconds of one packed forward of `new` on top of `cache` (rolled back after)."""
+    start = time.perf_counter()
+    model.forward([new], [cache], [len(new)])
+    seconds = time.perf_counter() - start
+    cache.rollback(len(new))
+    return seconds
+
+
+def forced_logits(checkpoint: Checkpoint, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    """Logits # [N, V] predicting each of `tokens` when fed prompt + tokens (teacher forcing)."""
+    model = checkpoint.model
+    return model.forward([prompt + tokens[:-1]], [model.new_cache()], [len(tokens)]).logits
+
+
+def agreement(reference: list[int], ours: list[int], ref_logits: torch.Tensor, our_logits: torch.Tensor) -> str:
+    n = len(reference)
+    prefix = next((i for i, (a, b) in enumerate(zip(reference, ours)) if a != b), n)
+    forced = int((our_logits.argmax(-1) == torch.tensor(reference)).sum())
+    kl = torch.nn.functional.kl_div(our_logits.log_softmax(-1), ref_logits.log_softmax(-1),
+                                    log_target=True, reduction="batchmean").item()
+    return f"identical prefix {prefix:>3}/{n}, teacher-forced argmax {forced:>3}/{n}, KL {kl:.4f}"
+
+
+def load_all(dtypes: list[str], threads: int, with_llama_cpp: bool) -> tuple[dict, dict[str, Result], str]:
+    models, results = {}, {}
+    for dtype in dtypes:
+        start = time.perf_counter()
+        models[dtype] = load_checkpoint("default", dtype, role="target")
+        results[dtype] = Result(dtype, time.perf_counter() - start)
+    note = "not requested (--no-llama-cpp)"
+    if with_llama_cpp:
+        try:
+            from llama_cpp import Llama
+        except ImportError:
+            note = "llama-cpp-python is not installed (pip install llama-cpp-python): skipped"
+        else:
+            start = time.perf_counter()
+            models[LLAMA_CPP] = Llama(str(packaged.assembled_gguf(packaged.TARGET)), n_ctx=2048,
+                                      n_threads=threads, n_threads_batch=threads, verbose=False)
+            results[LLAMA_CPP] = Result(LLAMA_CPP, time.perf_counter() - start)
+            note = ""
+    return models, results, note
+
+
+def measure_forwards(models: dict, results: dict[str, Result], repeats: int) -> None:
+    ours = {name: m.model for name, m in models.items() if isinstance(m, Checkpoint)}
+    gen = torch.Generator().manual_seed(0)
+    vocab = next(iter(ours.values())).vocab_size
+    context = torch.randint(0, vocab, (CONTEXT,), generator=gen).tolist()
+    caches = {name: model.new_cache(CONTEXT + max(ROWS)) for name, model in ours.items()}
+    for name, model in ours.items():
+        model.forward([context], [caches[name]], [0])
+    for n in ROWS:
+        new = torch.randint(0, vocab, (n,), generator=gen).tolist()
+        for _ in range(repeats + 1):  # the first round warms up
+            for name, model in ours.items():
+                results[name].forward_s[n].append(time_forward(model, caches[name], new))
+        for name in ours:
+            del results[name].forward_s[n][0]
+
+
+def measure_decoding(models: dict, results: dict[str, Result], prompts: list[list[int]], tokens: int) -> None:
+    for prompt in prompts:
+        for name, model in models.items():
+            run = decode(model, prompt, tokens) if isinstance(model, Checkpoint) else \
+                llama_cpp_decode(model, prompt, tokens)
+            results[name].decoded.append(run)
+
+
+def agreements(models: dict, results: dict[str, Result], prompts: list[list[int]]) -> dict[str, list[str]]:
+    """Each dtype against bf16's greedy output (free-running and teacher-forced)."""
+    if "bf16" not in models:
+        return {}
+    reference = [d.tokens for d in results["bf16"].decoded]
+    ref_logits = [forced_logits(models["bf16"], p, r) for p, r in zip(prompts, reference)]
+    lines = {}
+    for name, model in models.items():
+        if name != "bf16" and isinstance(model, Checkpoint):
+            lines[name] = [agreement(r, d.tokens, rl, forced_logits(model, p, r)) for p, r, rl, d in
+                           zip(prompts, reference, ref_logits, results[name].decoded)]
+    return lines
+
+
+def memory_child(dtype: str) -> None:
+    """Runs in a fresh process: load the pair, run each once, print one JSON line."""
+    rss0 = psutil.Process().memory_info().rss
+    target = load_checkpoint("default", dtype, role="target")
+    drafter = load_checkpoint("default", dtype, role="drafter")
+    for m in (target.model, drafter.model):
+        m.forward([[1, 2, 3]], [m.new_cache()], [1])
+    gc.collect()
+    print(json.dumps({"rss_gib": psutil.Process().memory_info().rss / 2**30, "peak_gib": _high_water_gib(),
+                      "start_gib": rss0 / 2**30, "target_weights_gib": quantized_nbytes(target.model) / 2**30,
+                      "drafter_weights_gib": quantized_nbytes(drafter.model) / 2**30}))
+
+
+def _high_water_gib() -> float:
+    """Peak RSS of this process image (VmHWM). Not ru_maxrss: after fork + exec, Linux keeps the
+    parent's RSS at fork time in the child's ru_maxrss."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 2**20
+    return float("nan")
+
+
+def measure_memory(dtype: str, threads: int) -> dict | str:
+    cmd = [sys.executable, "-m", "specav.bench.quantized", "--memory-of", dtype, "--threads", str(threads)]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    return json.loads(lines[-1]) if done.returncode == 0 and lines else f"failed: {done.stderr[-300:]}"
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m specav.bench.quantized", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dtypes", default="bf16,fp32,q4,auto", help="comma-separated, bf16 among them "
+                        "for the agreement table (fp32 holds 6 GiB more)")
+    parser.add_argument("--tokens", type=int, default=48, help="greedy tokens per prompt")
+    parser.add_argument("--prompts", type=int, default=1, help="prompts per workload (code, prose)")
+    parser.add_argument("--repeats", type=int, default=5, help="rounds of forward timings (median)")
+    parser.add_argument("--threads", type=int, default=None, help="torch and llama.cpp threads (default: torch's)")
+    parser.add_argument("--no-llama-cpp", action="store_true", help="skip the llama.cpp peer")
+    parser.add_argument("--memory-of", default=None, help=argparse.SUPPRESS)  # the memory child
+    args = parser.parse_args(argv)
+    if args.tokens < 3:
+        parser.error(f"--tokens {args.tokens} is too small: allowed >= 3")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parse(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    threads = torch.get_num_threads()
+    if args.memory_of:
+        return memory_child(args.memory_of)
+    models, results, llama_note = load_all(args.dtypes.split(","), threads, not args.no_llama_cpp)
+    prompts = _prompts(args.prompts)
+    measure_forwards(models, results, args.repeats)
+    measure_decoding(models, results, prompts, args.tokens)
+    print(f"packaged target, {threads} threads, torch {torch.__version__}, {len(prompts)} prompts "
+          f"({', '.join(WORKLOADS)}) x {args.tokens} greedy tokens; forwards on a {CONTEXT}-token context")
+    _print_table(results)
+    for name, lines in agreements(models, results, prompts).items():
+        for i, line in enumerate(lines):
+            print(f"  {name} vs bf16, prompt {i} ({WORKLOADS[i // args.prompts]}): {line}")
+    _print_llama_cpp(results, llama_note, args.tokens)
+    if "auto" in models:
+        _print_kernel_choice()
+    del models
+    gc.collect()
+    _print_memory(threads)
+
+
+def _prompts(per_workload: int) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(packaged.assembled_gguf(packaged.TARGET).parent / "hf-bf16")
+    return [encode_prompt(tokenizer, messages=p.chat())
+            for w in WORKLOADS for p in load_workload(w)[:per_workload]]
+
+
+def _print_table(results: dict[str, Result]) -> None:
+    head = "".join(f"{f'{n} rows ms':>12}" for n in ROWS)
+    print(f"{'':<10}{'load s':>8}{head}{'prefill s':>11}{'decode tok/s':>14}{'vs bf16':>9}")
+    base = results["bf16"].decode_tps if "bf16" in results else None
+    for r in results.values():
+        cells = "".join(f"{r.forward_ms(n):>12.1f}" if r.forward_s[n] else f"{'-':>12}" for n in ROWS)
+        ratio = f"{r.decode_tps / base:>9.2f}" if base else ""
+        print(f"{r.name:<10}{r.load_s:>8.1f}{cells}{r.prefill_s:>11.2f}{r.decode_tps:>14.2f}{ratio}")
+    if "bf16" in results:
+        for r in results.values():
+            if r.name not in ("bf16", LLAMA_CPP):
+                cells = "  ".join(f"{n} rows {results['bf16'].forward_ms(n) / r.forward_ms(n):.2f}x" for n in ROWS)
+                print(f"  {r.name} forward speed-up over bf16: {cells}")
+
+
+def _print_llama_cpp(results: dict[str, Result], note: str, tokens: int) -> None:
+    if note:
+        print(f"\nllama.cpp: {note}")
+        return
+    peer = results[LLAMA_CPP]
+    print(f"\nagainst llama.cpp target-only on the same file ({peer.decode_tps:.2f} tok/s):")
+    for r in results.values():
+        if r.name != LLAMA_CPP:
+            same = [next((j for j, (a, b) in enumerate(zip(o.tokens, p.tokens)) if a != b), tokens)
+                    for o, p in zip(peer.decoded, r.decoded)]
+            print(f"  {r.name}: {r.decode_tps / peer.decode_tps:.2f}x its tokens/s; identical greedy prefix "
+                  f"with it per prompt {same} of {tokens}")
+
+
+def _print_kernel_choice() -> None:
+    profile = MeasuredChoice(packaged.cache_root() / KERNEL_PROFILE).profile()
+    print(f"\nauto: measured ms per call (one thread, cache-cold, best of 7) at {ROW_BUCKETS} rows, "
+          f"and the kernels chosen")
+    for key in sorted(profile):
+        times = profile[key]
+        cells = "  ".join(f"{k} {'/'.join(f'{t:.2f}' for t in v)}" for k, v in sorted(times.items()))
+        print(f"  {key:<20} {cells}  ->  {'/'.join(plan_from_times(times).kernels)}")
+
+
+def _print_memory(threads: int) -> None:
+    print("\nmemory of the packaged pair (target + drafter), each dtype in a fresh process")
+    for dtype in ("q4", "auto"):
+        m = measure_memory(dtype, threads)
+        if isinstance(m, str):
+            print(f"  {dtype}: {m}")
+            continue
+        verdict = "OK" if m["peak_gib"] < MEMORY_GOAL_GIB else "OVER GOAL"
+        print(f"  {dtype}: RSS {m['rss_gib']:.2f} GiB after loading both (process start {m['start_gib']:.2f}), "
+              f"peak {m['peak_gib']:.2f} GiB ({verdict}: goal < {MEMORY_GOAL_GIB} GiB); weights: target "
+              f"{m['target_weights_gib']:.2f} GiB, drafter {m['drafter_weights_gib']:.2f} GiB")
+
+
+if __name__ == "__main__":
+    main()
