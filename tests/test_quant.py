@@ -21,8 +21,7 @@ from torch import nn
 
 from specav.models import CheckpointError, load_checkpoint
 from specav.models.quant import QuantizedEmbedding, QuantizedLinear, load_quantized
-from specav.models.quant_choice import (FixedRule, KernelPlan, MeasuredChoice, machine_key,
-                                        plan_from_times)
+from specav.models.quant_choice import FixedRule, KernelPlan, MeasuredChoice, machine_key, plan_from_times
 from specav.models.quant_formats import GGUFWeight, dequantize, int4_groups
 from specav.models.quant_gguf import read_header
 from specav.models.quant_kernels import KERNELS

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import json
 import statistics
 import subprocess
@@ -103,7 +104,7 @@ def llama_cpp_decode(llm, prompt: list[int], tokens: int) -> Decoded:
         stamps.append(time.perf_counter())
         if len(out) == tokens:
             break
-    steps = [b - a for a, b in zip(stamps[1:], stamps[2:])]
+    steps = [b - a for a, b in itertools.pairwise(stamps[1:])]
     return Decoded(out, stamps[1] - stamps[0], steps)
 
 
@@ -216,7 +217,7 @@ def _high_water_gib() -> float:
 
 def measure_memory(dtype: str, threads: int) -> dict | str:
     cmd = [sys.executable, "-m", "specav.bench.quantized", "--memory-of", dtype, "--threads", str(threads)]
-    done = subprocess.run(cmd, capture_output=True, text=True)
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     return json.loads(lines[-1]) if done.returncode == 0 and lines else f"failed: {done.stderr[-300:]}"
 

@@ -64,7 +64,7 @@ class QuantizedLinear(nn.Module):
         self.register_buffer("bias", bias)  # [N] float32 or None
 
     @classmethod
-    def from_gguf(cls, weight: GGUFWeight, bias: torch.Tensor | None, policy: Policy) -> "QuantizedLinear":
+    def from_gguf(cls, weight: GGUFWeight, bias: torch.Tensor | None, policy: Policy) -> QuantizedLinear:
         plan = policy.plan(weight)
         return cls({k: KERNELS[k].pack(weight) for k in plan.distinct}, plan, bias)
 
@@ -147,22 +147,28 @@ def hf_config(header: GGUFHeader):
     from transformers import AutoConfig
 
     arch = header.field("general.architecture")
-    arch_field = lambda key, default=Ellipsis: header.field(f"{arch}.{key}", default)  # noqa: E731
+
+    def arch_field(key: str, default=Ellipsis):
+        return header.field(f"{arch}.{key}", default)
+
     if "token_embd.weight" not in header.tensors:
         raise QuantizedGGUFError(f"GGUF file {str(header.path)!r} has no token_embd.weight tensor")
     heads = arch_field("attention.head_count")
-    kwargs = dict(
-        vocab_size=int(header.tensors["token_embd.weight"].dims[1]),
-        hidden_size=arch_field("embedding_length"), intermediate_size=arch_field("feed_forward_length"),
-        num_hidden_layers=arch_field("block_count"), num_attention_heads=heads,
-        num_key_value_heads=arch_field("attention.head_count_kv", heads),
-        max_position_embeddings=arch_field("context_length", 4096),
-        rms_norm_eps=arch_field("attention.layer_norm_rms_epsilon", 1e-6),
-        rope_theta=arch_field("rope.freq_base", 10000.0),
-        tie_word_embeddings="output.weight" not in header.tensors,
-        bos_token_id=header.field("tokenizer.ggml.bos_token_id", None),
-        eos_token_id=header.field("tokenizer.ggml.eos_token_id", None),
-        pad_token_id=header.field("tokenizer.ggml.padding_token_id", None))
+    kwargs = {
+        "vocab_size": int(header.tensors["token_embd.weight"].dims[1]),
+        "hidden_size": arch_field("embedding_length"),
+        "intermediate_size": arch_field("feed_forward_length"),
+        "num_hidden_layers": arch_field("block_count"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": arch_field("attention.head_count_kv", heads),
+        "max_position_embeddings": arch_field("context_length", 4096),
+        "rms_norm_eps": arch_field("attention.layer_norm_rms_epsilon", 1e-6),
+        "rope_theta": arch_field("rope.freq_base", 10000.0),
+        "tie_word_embeddings": "output.weight" not in header.tensors,
+        "bos_token_id": header.field("tokenizer.ggml.bos_token_id", None),
+        "eos_token_id": header.field("tokenizer.ggml.eos_token_id", None),
+        "pad_token_id": header.field("tokenizer.ggml.padding_token_id", None),
+    }
     if arch == "llama" and arch_field("rope.dimension_count", None) is not None:
         kwargs["head_dim"] = arch_field("rope.dimension_count")
     return AutoConfig.for_model(arch, **kwargs)

@@ -39,7 +39,7 @@ from typing import Protocol
 
 import torch
 
-from specav.models.quant_formats import GGUFWeight, T
+from specav.models.quant_formats import GGUFWeight
 from specav.models.quant_kernels import KERNELS, Int4Weight, PackedWeight
 
 ROW_BUCKETS = (1, 4, 16, 64)

@@ -54,7 +54,7 @@ class PackedWeight:
         return True
 
     @classmethod
-    def pack(cls, weight: GGUFWeight) -> "PackedWeight":
+    def pack(cls, weight: GGUFWeight) -> PackedWeight:
         raise NotImplementedError
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
@@ -76,7 +76,7 @@ class Int4Weight(PackedWeight):
         return qtype in cls.exact_types
 
     @classmethod
-    def pack(cls, weight: GGUFWeight) -> "Int4Weight":
+    def pack(cls, weight: GGUFWeight) -> Int4Weight:
         codes, scales, zeros = int4_groups(weight)  # [N, K] uint8, [N, K/32] x 2
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
         scales_zeros = torch.stack([scales.t(), zeros.t()], dim=-1).to(torch.bfloat16).contiguous()
@@ -96,7 +96,7 @@ class Int8Weight(PackedWeight):
         self.scales = scales  # [N] bf16
 
     @classmethod
-    def pack(cls, weight: GGUFWeight) -> "Int8Weight":
+    def pack(cls, weight: GGUFWeight) -> Int8Weight:
         codes, scales = int8_rows(weight)
         return cls(codes, scales.to(torch.bfloat16))
 
@@ -112,7 +112,7 @@ class Int8DynamicWeight(PackedWeight):
         self.packed = packed  # fbgemm's packed int8 matrix (per-row scales inside)
 
     @classmethod
-    def pack(cls, weight: GGUFWeight) -> "Int8DynamicWeight":
+    def pack(cls, weight: GGUFWeight) -> Int8DynamicWeight:
         codes, scales = int8_rows(weight)
         with warnings.catch_warnings():  # quantized tensors are deprecated after torch 2.13 (pinned here)
             warnings.filterwarnings("ignore", message=".*quantized tensor creation functions.*")
