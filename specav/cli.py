@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Callable
 
-from specav.config import ConfigError, EngineConfig, ModelConfig, SamplingParams, SpeculativeConfig
+from specav.config import DTYPES, ConfigError, EngineConfig, ModelConfig, SamplingParams, SpeculativeConfig
 
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {}
 
@@ -33,7 +33,8 @@ def _default(cls, name: str):
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=_default(ModelConfig, "path"),
                    help="target: local HF directory, .gguf file, or 'default' (packaged Qwen2.5-Coder-1.5B)")
-    p.add_argument("--dtype", default=_default(ModelConfig, "dtype"), help="bf16 (default) or fp32")
+    p.add_argument("--dtype", default=_default(ModelConfig, "dtype"), choices=DTYPES,
+                   help="bf16 (the reference), fp32, q4 (GGUF weights run quantized) or auto (fastest kernels)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--speculative-config", default=json.dumps(dataclasses.asdict(SpeculativeConfig())),
                    help="vLLM-style JSON: model, method, num_speculative_tokens, draft_sample_method, "
