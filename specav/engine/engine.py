@@ -76,8 +76,7 @@ class Engine:
 
     def add_request(self, prompt_ids: Sequence[int], params: SamplingParams = SamplingParams(),
                     request_id: str | None = None) -> Request:
-        request = Request(list(prompt_ids), params) if request_id is None else \
-            Request(list(prompt_ids), params, request_id)
+        request = Request(list(prompt_ids), params, **({"request_id": request_id} if request_id else {}))
         if len(request.prompt_ids) + params.max_tokens > self.max_positions:
             raise ValueError(f"request {request.request_id}: prompt ({len(request.prompt_ids)} tokens) + "
                              f"max_tokens ({params.max_tokens}) exceeds the model's {self.max_positions} "

@@ -27,9 +27,7 @@ from specav.evaluation.workloads import Prompt, load_workload
 
 
 def labelled_slots(num_admitted: torch.Tensor, num_accepted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(request index, position index) of every labelled slot, request-major # [N] each, and labels # [N].
-
-    Returned as (index tensor [N, 2], labels [N])."""
+    """Every labelled slot, request-major: its (request, position) indices # [N, 2] and label # [N]."""
     pairs, labels = [], []
     for b, (k, a) in enumerate(zip(num_admitted.tolist(), num_accepted.tolist())):
         for i in range(min(a + 1, k)):
