@@ -34,7 +34,8 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=_default(ModelConfig, "path"),
                    help="target: local HF directory, .gguf file, or 'default' (packaged Qwen2.5-Coder-1.5B)")
     p.add_argument("--dtype", default=_default(ModelConfig, "dtype"), choices=DTYPES,
-                   help="bf16 (the reference), fp32, q4 (GGUF weights run quantized) or auto (fastest kernels)")
+                   help="auto (default: fastest kernels on GGUF weights; bf16 on HF directories), bf16 (the "
+                        "reference), fp32, or q4 (GGUF weights on torch's kernels)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--speculative-config", default=json.dumps(dataclasses.asdict(SpeculativeConfig())),
                    help="vLLM-style JSON: model, method, num_speculative_tokens, draft_sample_method, "

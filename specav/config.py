@@ -141,16 +141,17 @@ class ModelConfig:
     """Which checkpoint to load and at what precision.
 
     path: local HF directory (safetensors), a local .gguf file, or "default" for the packaged target.
-    dtype: "bf16" (the exact reference, matching transformers), "fp32" (float32 on the same
-    weights), "q4" (a GGUF file's quantized weights run natively: 4-bit types keep their exact
-    codes, the others are requantised to int8 per row; float32 activations), or "auto" (the
-    fastest kernel per layer and row count, measured once per machine; it may quantise
-    activations to int8 per row; on a dense HF directory, bf16).
+    dtype: "auto" (the default: on a GGUF file, including the packaged pair, the fastest
+    kernel per layer and row count, measured once per machine, which may quantise activations
+    to int8; on a dense HF directory, bf16), "bf16" (the exact reference, matching
+    transformers), "fp32" (float32 on the same weights), or "q4" (a GGUF file's quantized
+    weights on torch's kernels: 4-bit types keep their exact codes, the others are requantised
+    to int8 per row; float32 activations).
     Speculative decoding is lossless with respect to whichever target precision runs.
     """
 
     path: str = "default"
-    dtype: str = "bf16"
+    dtype: str = "auto"
     threads: int | None = None
 
     def __post_init__(self) -> None:

@@ -6,6 +6,8 @@ Tolerances (relative Frobenius error of y = x W^T against x @ dequantize(W)^T, f
                weights; on the packaged files' tensors the weights alone move by 0.8-3.2%, worst
                for Q6_K ffn_down, whose rows have outliers)
   int8dyn  7%  int8 weights as above and 7-bit per-row activations (measured 2-4%)
+  kquant   2%  Q4_K / Q6_K codes and scales exact, activations int8 per 256 columns (measured
+               0.6-0.7%); its arithmetic is also checked exactly against a float64 emulation
 Whole models are compared with transformers' own dequantising GGUF loader on tiny files
 written here with the `gguf` package (Q4_K and Q6_K blocks are packed by hand: gguf-py
 has no quantiser for them; the packers are checked against gguf-py's dequantiser).
@@ -19,7 +21,7 @@ import pytest
 import torch
 from torch import nn
 
-from specav.models import CheckpointError, load_checkpoint
+from specav.models import CheckpointError, load_checkpoint, native
 from specav.models.quant import QuantizedEmbedding, QuantizedLinear, load_quantized
 from specav.models.quant_choice import FixedRule, KernelPlan, MeasuredChoice, machine_key, plan_from_times
 from specav.models.quant_formats import GGUFWeight, dequantize, int4_groups
@@ -28,7 +30,7 @@ from specav.models.quant_kernels import KERNELS
 from tests.tiny_models import save_tiny_checkpoint
 
 T = gguf.GGMLQuantizationType
-TOLERANCE = {"int4": 0.01, "int8": 0.04, "int8dyn": 0.07}
+TOLERANCE = {"int4": 0.01, "int8": 0.04, "int8dyn": 0.07, "kquant": 0.02}
 # Relative error of the logits of a tiny 2-layer model. Measured: q4 1.4%, auto 2.5-3%; the same
 # weights run densely in bf16: 0.6%; a wrong tensor mapping: ~100%.
 WHOLE_MODEL_TOLERANCE = {"q4": 0.03, "auto": 0.06}
@@ -127,6 +129,43 @@ def test_kernel_matches_dequantised_reference(kernel, qtype, rows):
     assert error < TOLERANCE[kernel], f"{kernel} on {qtype.name}: relative error {error:.4f}"
 
 
+def test_native_kernels_build_on_this_machine():
+    """The CI machine has AVX2 and g++: kquant must be there, or `auto` silently loses its fast path."""
+    assert native.available(), native.unavailable_reason()
+    assert "kquant" in [k for k, _ in KERNEL_CASES]
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K])
+@pytest.mark.parametrize("rows", [1, 4, 7])
+def test_kquant_arithmetic_is_exact_on_quantised_activations(qtype, rows):
+    """The kernel's only approximation is the int8 activation: with x replaced by its int8
+    reconstruction, y equals the float64 product with the exactly dequantised weight (to float32
+    accumulation). A wrong nibble, bit pair or scale index would be off by percents."""
+    weight = random_weight(qtype, n=40, k=768, seed=rows)
+    x = torch.randn(rows, 768, generator=torch.Generator().manual_seed(rows)) * 3
+    x[0, :256] *= 50  # one 256-block far larger: each block has its own activation scale
+    xq, dx = torch.ops.specav_kquant.quantize_activations(x)
+    x_used = (xq.double().view(rows, 3, 256) * dx.double()[..., None]).view(rows, 768)
+    expected = x_used @ dequantize(weight).double().t()
+    y = KERNELS["kquant"].pack(weight).matmul(x)
+    error = ((y.double() - expected).norm() / expected.norm()).item()
+    assert error < 1e-5, error
+    assert (xq.abs() <= 127).all() and torch.equal(xq.abs().amax(dim=1), torch.full((rows,), 127, dtype=torch.int8))
+
+
+def test_kquant_refuses_what_it_cannot_run():
+    with pytest.raises(ValueError, match="Q4_K and Q6_K"):
+        KERNELS["kquant"].pack(random_weight(T.Q5_0))
+    with pytest.raises(RuntimeError, match="multiple of 256"):
+        KERNELS["kquant"].pack(random_weight(T.Q4_K, k=256)).matmul(torch.randn(1, 512)[:, :300].contiguous())
+
+
+def test_auto_works_without_native_kernels(monkeypatch, tmp_path):
+    monkeypatch.setattr(native, "available", lambda: False)
+    assert not KERNELS["kquant"].supports(T.Q4_K)
+    assert "kquant" not in MeasuredChoice(tmp_path / "p.json").plan(random_weight(T.Q4_K, n=64, k=256)).kernels
+
+
 @pytest.mark.parametrize("kernel", list(KERNELS))
 def test_rows_do_not_depend_on_each_other(kernel):
     """Bit for bit: a row's output is the same alone or packed with others (so with one kernel
@@ -194,11 +233,11 @@ def test_measured_choice_is_cached_on_disk(tmp_path, monkeypatch):
     path = tmp_path / "profile.json"
     weight = random_weight(T.Q4_K, n=64, k=256)
     first = MeasuredChoice(path).plan(weight)  # really measures
-    assert set(first.kernels) <= {"int4", "int8", "int8dyn"} and path.exists()
+    assert set(first.kernels) <= set(KERNELS) and path.exists()
     monkeypatch.setattr(choice, "measure", lambda candidates: pytest.fail("measured again despite the cache"))
     again = MeasuredChoice(path)
     assert again.plan(weight) == first
-    assert set(again.profile()["Q4_K 64x256"]) == {"int4", "int8", "int8dyn"}
+    assert set(again.profile()["Q4_K 64x256"]) == {k for k in KERNELS if KERNELS[k].supports(T.Q4_K)}
     assert machine_key() in path.read_text()
 
 
@@ -268,8 +307,8 @@ def transformers_logits(path, ids: list[int]) -> torch.Tensor:
 
 
 def fake_measure(candidates):
-    """int4 fastest at 1 row (where it can run), int8dyn beyond: layers mix kernels by row count."""
-    fast = {"int4": [1, 9, 9, 9], "int8": [2, 9, 9, 9], "int8dyn": [9, 1, 1, 1]}
+    """kquant or int4 fastest at 1 row (where they can run), int8dyn beyond: layers mix kernels by row count."""
+    fast = {"kquant": [0.5, 9, 9, 9], "int4": [1, 9, 9, 9], "int8": [2, 9, 9, 9], "int8dyn": [9, 1, 1, 1]}
     return {k: [float(t) for t in fast[k]] for k in candidates}
 
 

@@ -53,7 +53,7 @@ class PackedCausalLM:
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
-        self.dtype = self.lm_head.weight.dtype
+        self.dtype = self.decoder.norm.weight.dtype  # activations and KV caches (quantized linears have no .weight)
         self.vocab_size = config.vocab_size
 
     def new_cache(self, capacity: int = 256) -> KVCache:

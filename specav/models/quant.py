@@ -61,6 +61,7 @@ class QuantizedLinear(nn.Module):
         self.out_features, self.in_features = next(iter(packed.values())).shape
         self.packed = packed  # kernel name -> packed weight (one per kernel in the plan)
         self.plan = plan
+        self._by_rows: dict[int, PackedWeight] = {}  # packed row count -> its packed weight (memo of plan)
         self.register_buffer("bias", bias)  # [N] float32 or None
 
     @classmethod
@@ -75,10 +76,15 @@ class QuantizedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x # [..., in_features] -> # [..., out_features] in x's dtype."""
         rows = x.reshape(-1, self.in_features)  # [T, K]
-        y = self.packed[self.plan.kernel_for(rows.shape[0])].matmul(rows)  # [T, N] float32
+        weight = self._by_rows.get(rows.shape[0])
+        if weight is None:
+            weight = self._by_rows[rows.shape[0]] = self.packed[self.plan.kernel_for(rows.shape[0])]
+        y = weight.matmul(rows)  # [T, N] float32
         if self.bias is not None:
-            y = y + self.bias
-        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+            y += self.bias
+        if y.dtype != x.dtype:
+            y = y.to(x.dtype)
+        return y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         plan = ", ".join(f"{r}:{k}" for r, k in zip(self.plan.rows, self.plan.kernels))
@@ -135,8 +141,8 @@ def load_quantized(path: Path, mode: str, profile_path: Path | None = None) -> P
     hf.model.norm.weight = files.parameter("output_norm.weight")
     hf.model.embed_tokens = QuantizedEmbedding(header.weight("token_embd.weight"))
     hf.model.rotary_emb = type(hf.model.rotary_emb)(config=config)  # its buffers were built on meta
-    packed = PackedCausalLM(hf)  # reads the activation dtype from the meta lm_head, replaced next
-    hf.lm_head = packed.lm_head = lm_head
+    hf.lm_head = lm_head
+    packed = PackedCausalLM(hf)
     _check_materialised(hf, path)
     _return_freed_memory()
     return packed

@@ -108,6 +108,33 @@ def _q4_k(data: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 _INT4_DECODERS = {T.Q4_0: _q4_0, T.Q4_1: _q4_1, T.Q4_K: _q4_k}
 
 
+def kquant_parts(weight: GGUFWeight) -> dict[str, torch.Tensor]:
+    """Q4_K / Q6_K -> the file's codes and scales split into arrays, as the native kernel reads them.
+
+    Nothing is rounded: codes are the file's bytes, 6-bit Q4_K scales become uint8 and float16
+    super-block scales float32. Per weight row and 256-element super-block:
+    Q4_K: qs [128] nibbles, sc / mn [8] uint8, d / dmin float32;
+    Q6_K: ql [128] low nibbles, qh [64] high bit pairs, sc [16] int8, d float32.
+    """
+    n, k = weight.shape
+    blocks = np.ascontiguousarray(weight.blocks).reshape(n, k // 256, -1)
+    if weight.qtype == T.Q4_K:  # d f16, dmin f16, 12 bytes of 6-bit scales and mins, 128 bytes of nibbles
+        sc, mn = gguf.quants.Q4_K.get_scale_min(blocks[..., 4:16].reshape(-1, 12))
+        parts = {"qs": blocks[..., 16:], "sc": sc.reshape(n, -1, 8), "mn": mn.reshape(n, -1, 8),
+                 "d": _f16(blocks[..., 0:2]), "dmin": _f16(blocks[..., 2:4])}
+    elif weight.qtype == T.Q6_K:  # 128 bytes low nibbles, 64 bytes high bit pairs, 16 int8 scales, d f16
+        parts = {"ql": blocks[..., :128], "qh": blocks[..., 128:192], "sc": blocks[..., 192:208].view(np.int8),
+                 "d": _f16(blocks[..., 208:210])}
+    else:
+        raise ValueError(f"{weight.name} is {weight.qtype.name}; k-quant parts exist for Q4_K and Q6_K")
+    return {name: torch.from_numpy(np.ascontiguousarray(a)) for name, a in parts.items()}
+
+
+def _f16(pairs: np.ndarray) -> np.ndarray:
+    """Bytes # [..., 2] holding float16 -> # [...] float32."""
+    return np.ascontiguousarray(pairs).view(np.float16)[..., 0].astype(np.float32)
+
+
 def int8_rows(weight: GGUFWeight) -> tuple[torch.Tensor, torch.Tensor]:
     """Any type -> (codes # [N, K] int8 in -127..127, scale # [N] float32): w ~ codes * scale."""
     n, k = weight.shape

@@ -9,6 +9,7 @@ GGUF types it holds exactly and what it approximates:
 | int4    | 4-bit, (scale, zero) per 32 | rounded to bf16      | Q4_0, Q4_1, Q4_K codes    | ~0.3%  |
 | int8    | int8, one scale per row     | rounded to bf16      | none (requantised)        | 0.5-3% |
 | int8dyn | int8, one scale per row     | int8 per row (7 bit) | none (both requantised)   | 2-4%   |
+| kquant  | the file's Q4_K/Q6_K blocks | int8 per 256 columns | Q4_K, Q6_K codes + scales | ~0.5%  |
 
 *relative error of y against x @ dequantize(W)^T, measured on random and on the packaged
 files' tensors (tests/test_quant.py); bf16 F.linear on the same weights: ~0.25%.
@@ -19,7 +20,10 @@ int4 is `torch.ops.aten._weight_int4pack_mm_for_cpu` (bf16 scales and zeros), in
 is scaled to max |x| = 1 before it is quantised with one fixed scale, so the activation
 quantisation is per row. Activations use 7 bits (0..128 around zero point 64) because
 fbgemm's AVX2 path adds pairs of u8 x s8 products in int16, which saturates with 8-bit
-activations. All three are batch-invariant: a row's output is bit for bit the same
+activations. kquant is specav's own AVX2 kernel (native/kquant.cpp, compiled on first use;
+absent where it cannot be built): it reads the file's 4.5 or 6.6 bits per weight, where the
+others read 8 or more, which is what decoding one row on a CPU is bound by. All four are
+batch-invariant: a row's output is bit for bit the same
 whatever other rows share the call (tested).
 
 Must not know: models, modules, which kernel is fastest (quant_choice.py measures that).
@@ -33,7 +37,8 @@ from typing import ClassVar
 import gguf
 import torch
 
-from specav.models.quant_formats import GROUP, GGUFWeight, int4_groups, int8_rows
+from specav.models import native
+from specav.models.quant_formats import GROUP, GGUFWeight, int4_groups, int8_rows, kquant_parts
 
 T = gguf.GGMLQuantizationType
 _DYN_SCALE, _DYN_ZERO_POINT = 2 / 127, 64  # x in [-1, 1] -> 0..128 (7 bits: no int16 saturation)
@@ -129,4 +134,30 @@ class Int8DynamicWeight(PackedWeight):
         return y.mul_(amax)
 
 
-KERNELS: dict[str, type[PackedWeight]] = {k.kernel: k for k in (Int4Weight, Int8Weight, Int8DynamicWeight)}
+class KQuantWeight(PackedWeight):
+    kernel = "kquant"
+    exact_types = frozenset({T.Q4_K, T.Q6_K})
+
+    def __init__(self, qtype: T, parts: dict[str, torch.Tensor], shape: tuple[int, int]) -> None:
+        super().__init__(shape, sum(p.nbytes for p in parts.values()))
+        self.qtype = qtype
+        self.parts = parts  # kquant_parts(): codes and scales per 256-element super-block
+        self._op = torch.ops.specav_kquant.q4k_matmul if qtype == T.Q4_K else torch.ops.specav_kquant.q6k_matmul
+
+    @classmethod
+    def supports(cls, qtype: T) -> bool:
+        return qtype in cls.exact_types and native.available()
+
+    @classmethod
+    def pack(cls, weight: GGUFWeight) -> KQuantWeight:
+        if not cls.supports(weight.qtype):
+            raise ValueError(f"kquant cannot run {weight.name} ({weight.qtype.name}): "
+                             f"{native.unavailable_reason() or 'only Q4_K and Q6_K'}")
+        return cls(weight.qtype, kquant_parts(weight), weight.shape)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return self._op(x.float().contiguous(), *self.parts.values())
+
+
+KERNELS: dict[str, type[PackedWeight]] = {
+    k.kernel: k for k in (Int4Weight, Int8Weight, Int8DynamicWeight, KQuantWeight)}

@@ -1,0 +1,93 @@
+"""Native CPU kernels, compiled on first use: AVX2 matmul on GGUF k-quant blocks (kquant.cpp).
+
+Owns: building kquant.cpp with torch's C++ extension tools (g++ and ninja) into
+`~/.cache/specav/native/<build key>/` the first time a process needs it (about a minute; later
+processes load the built library in milliseconds), and saying why when it cannot.
+
+The ops land in `torch.ops.specav_kquant`: `q4k_matmul`, `q6k_matmul`,
+`quantize_activations`. `available()` is False, with `unavailable_reason()` saying why,
+on CPUs without AVX2/FMA/F16C or where the build fails; the quantized path then uses
+torch's own kernels (quant_kernels.py), so nothing but speed depends on this module.
+
+Must not know: GGUF files, modules, which kernel is fastest.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import sys
+import threading
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("kquant.cpp")
+# -fopenmp: at::parallel_for is inlined from ATen's headers and is OpenMP; without the flag it
+# runs on one thread. The library then needs libgomp.so.1, which torch has already loaded.
+_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-std=c++17", "-fopenmp"]
+_REQUIRED_CPU_FLAGS = ("avx2", "fma", "f16c")
+_lock = threading.Lock()
+_state: dict[str, str | bool] = {}
+
+
+def available() -> bool:
+    """True once the kernels are built and loaded (building them now if needed)."""
+    with _lock:
+        if "ok" not in _state:
+            _state["ok"], _state["reason"] = _load()
+    return bool(_state["ok"])
+
+
+def unavailable_reason() -> str:
+    return "" if available() else str(_state["reason"])
+
+
+def build_directory() -> Path:
+    """Where the library is built: $SPECAV_NATIVE_DIR, else ~/.cache/specav/native, in a folder
+    keyed by the source, flags and torch version (so an edit rebuilds). Not under $SPECAV_CACHE:
+    tests point that at temporary folders, and the build should happen once per machine."""
+    root = Path(os.environ.get("SPECAV_NATIVE_DIR", Path.home() / ".cache" / "specav" / "native"))
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(_FLAGS).encode() + torch.__version__.encode())
+    return root / key.hexdigest()[:16]
+
+
+def _load() -> tuple[bool, str]:
+    missing = [f for f in _REQUIRED_CPU_FLAGS if f not in _cpu_flags()]
+    if missing:
+        return False, f"this CPU lacks {', '.join(missing)}"
+    if hasattr(torch.ops, "specav_kquant") and hasattr(torch.ops.specav_kquant, "q4k_matmul"):
+        return True, ""
+    from torch.utils import cpp_extension
+
+    if shutil.which("ninja") is None:  # the ninja wheel's binary sits beside this interpreter
+        os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+    directory = build_directory()
+    directory.mkdir(parents=True, exist_ok=True)
+    try:
+        cpp_extension.load(name="specav_kquant", sources=[str(SOURCE)], extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"],
+                           build_directory=str(directory), is_python_module=False, verbose=False)
+    except (RuntimeError, OSError, ImportError, FileNotFoundError) as err:  # no compiler / ninja, build error
+        log.warning("native k-quant kernels unavailable (%s); using torch's kernels", err)
+        return False, f"building {SOURCE.name} failed: {str(err).strip().splitlines()[-1] if str(err) else err!r}"
+    return True, ""
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    capability = torch.backends.cpu.get_cpu_capability()  # not Linux: AVX2 implies FMA/F16C in practice
+    return set(_REQUIRED_CPU_FLAGS) if capability in ("AVX2", "AVX512") else set()
+
+
+if os.environ.get("SPECAV_NO_NATIVE"):  # for comparisons: run torch's kernels only
+    _state.update(ok=False, reason="SPECAV_NO_NATIVE is set")

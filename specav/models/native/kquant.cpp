@@ -1,0 +1,278 @@
+// AVX2 matmul on GGUF k-quant blocks as stored: y = x @ W^T with W in Q4_K or Q6_K.
+//
+// Decoding one token reads every weight once, so on a CPU it is memory-bound: the kernel
+// reads the file's 4.5 (Q4_K) or 6.6 (Q6_K) bits per weight instead of torch's int8 or
+// bf16. Weights keep their exact codes and scales; each activation row is quantised to
+// int8 with one float scale per 256 elements (round to nearest, scale = max|x| / 127),
+// and the dot products run in integers:
+//
+//   Q4_K, sub-block j of 32:  w = d * sc_j * q - dmin * m_j        (q in 0..15)
+//     sum_i w_i x_i ~= dx * (d * sum_j sc_j * sum_i q_i xq_i  -  dmin * sum_j m_j * sum_i xq_i)
+//   Q6_K, sub-block j of 16:  w = d * sc_j * (q - 32)              (q in 0..63, sc_j int8)
+//     sum_i w_i x_i ~= dx * d * sum_j sc_j * (sum_i q_i xq_i  -  32 * sum_i xq_i)
+//
+// Integer ranges: _mm256_maddubs_epi16 adds two u8 x s8 products into int16: Q4_K
+// 2 * 15 * 127 and Q6_K 2 * 63 * 127 = 16002 < 32767, so nothing saturates; the int32
+// sums per 256-block stay below 2^26 and are converted to float once per block.
+//
+// The Python side (specav/models/quant_kernels.py, KQuantWeight) unpacks the 6-bit Q4_K
+// scales and the float16 super-block scales once at load; the codes stay as the file
+// lays them out. Rows of x are processed in tiles of up to 4, so each weight block is
+// loaded once per tile. Work is split over output features with at::parallel_for
+// (torch's intra-op threads). Every output depends only on its own row of x: the
+// kernel is batch-invariant.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+namespace {
+
+constexpr int64_t kBlock = 256;  // super-block: one activation scale, one d (and dmin)
+constexpr int kTile = 4;         // rows of x per pass over a weight row
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// Activations of T rows, quantised: xq [T, K] int8, dx [T, K/256] scales, sum16 [T, K/16].
+struct QuantizedRows {
+  at::Tensor xq, dx, sum16;
+};
+
+QuantizedRows quantize_rows(const at::Tensor& x) {
+  const int64_t rows = x.size(0), k = x.size(1), blocks = k / kBlock;
+  auto xq = at::empty({rows, k}, x.options().dtype(at::kChar));
+  auto dx = at::empty({rows, blocks}, x.options());
+  auto sum16 = at::empty({rows, k / 16}, x.options().dtype(at::kInt));
+  const float* xp = x.data_ptr<float>();
+  int8_t* qp = xq.data_ptr<int8_t>();
+  float* dp = dx.data_ptr<float>();
+  int32_t* sp = sum16.data_ptr<int32_t>();
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  at::parallel_for(0, rows * blocks, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t rb = begin; rb < end; ++rb) {
+      const float* src = xp + rb * kBlock;  // rows are contiguous, so (row, block) is rb * 256
+      int8_t* dst = qp + rb * kBlock;
+      __m256 amax = _mm256_setzero_ps();
+      for (int i = 0; i < kBlock; i += 8) amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, _mm256_loadu_ps(src + i)));
+      __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+      m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+      m = _mm_max_ss(m, _mm_movehdup_ps(m));
+      const float d = _mm_cvtss_f32(m) / 127.0f;
+      dp[rb] = d;
+      const __m256 inv = _mm256_set1_ps(d > 0.0f ? 1.0f / d : 0.0f);
+      for (int i = 0; i < kBlock; i += 32) {
+        __m256i a[4];
+        for (int j = 0; j < 4; ++j)  // round to nearest even (the default MXCSR mode)
+          a[j] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(src + i + 8 * j), inv));
+        const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(a[0], a[1]), _mm256_packs_epi32(a[2], a[3]));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), _mm256_permutevar8x32_epi32(packed, order));
+      }
+      int32_t* sums = sp + rb * (kBlock / 16);
+      for (int g = 0; g < kBlock / 16; ++g) {
+        int32_t s = 0;
+        for (int i = 0; i < 16; ++i) s += dst[16 * g + i];
+        sums[g] = s;
+      }
+    }
+  });
+  return {xq, dx, sum16};
+}
+
+void check_inputs(const at::Tensor& x, const at::Tensor& codes, int64_t code_bytes_per_block) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "x must be a contiguous [T, K] float32 tensor");
+  TORCH_CHECK(x.size(1) % kBlock == 0, "K must be a multiple of 256, got ", x.size(1));
+  TORCH_CHECK(codes.dim() == 3 && codes.is_contiguous() && codes.size(1) == x.size(1) / kBlock &&
+              codes.size(2) == code_bytes_per_block, "weight codes must be [N, K/256, ", code_bytes_per_block, "]");
+}
+
+// One weight row (nb super-blocks) against a tile of R activation rows.
+template <int R>
+void q4k_row(const uint8_t* qs, const uint8_t* sc, const uint8_t* mn, const float* d, const float* dmin,
+             int64_t nb, const int8_t* xq, const float* dx, const int32_t* sum16, int64_t k, float* out, int64_t n_out) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  __m256 acc[R];
+  float min_acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps(), min_acc[r] = 0.0f;
+  for (int64_t b = 0; b < nb; ++b) {
+    __m256i isum[R];
+    for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
+    for (int c = 0; c < 4; ++c) {  // 32 bytes = 64 elements: low nibbles sub-block 2c, high 2c + 1
+      const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + b * 128 + c * 32));
+      const __m256i lo = _mm256_and_si256(bytes, low4);
+      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4);
+      const __m256i s_lo = _mm256_set1_epi16(sc[b * 8 + 2 * c]);
+      const __m256i s_hi = _mm256_set1_epi16(sc[b * 8 + 2 * c + 1]);
+      for (int r = 0; r < R; ++r) {
+        const int8_t* xr = xq + r * k + b * kBlock + c * 64;
+        const __m256i p_lo = _mm256_maddubs_epi16(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr)));
+        const __m256i p_hi = _mm256_maddubs_epi16(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + 32)));
+        isum[r] = _mm256_add_epi32(isum[r], _mm256_add_epi32(_mm256_madd_epi16(p_lo, s_lo), _mm256_madd_epi16(p_hi, s_hi)));
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const float xd = dx[r * nb + b];
+      acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d[b] * xd), _mm256_cvtepi32_ps(isum[r]), acc[r]);
+      const int32_t* s16 = sum16 + r * (k / 16) + b * 16;
+      int32_t msum = 0;
+      for (int j = 0; j < 8; ++j) msum += mn[b * 8 + j] * (s16[2 * j] + s16[2 * j + 1]);
+      min_acc[r] += dmin[b] * xd * static_cast<float>(msum);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r * n_out] = hsum(acc[r]) - min_acc[r];
+}
+
+template <int R>
+void q6k_row(const uint8_t* ql, const uint8_t* qh, const int8_t* sc, const float* d,
+             int64_t nb, const int8_t* xq, const float* dx, const int32_t* sum16, int64_t k, float* out, int64_t n_out) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  const __m256i two = _mm256_set1_epi8(0x03);
+  __m256 acc[R];
+  float offset_acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps(), offset_acc[r] = 0.0f;
+  for (int64_t b = 0; b < nb; ++b) {
+    __m256i isum[R];
+    for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
+    for (int half = 0; half < 2; ++half) {  // 128 elements: ql 64 bytes, qh 32 bytes, 8 scales
+      const uint8_t* l = ql + b * 128 + half * 64;
+      const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(l));
+      const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(l + 32));
+      const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh + b * 64 + half * 32));
+      // Elements 0-31, 32-63, 64-95, 96-127 of this half; the 2 high bits come from h's bit pairs.
+      const __m256i q[4] = {
+          _mm256_or_si256(_mm256_and_si256(l0, low4), _mm256_slli_epi16(_mm256_and_si256(h, two), 4)),
+          _mm256_or_si256(_mm256_and_si256(l1, low4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2), two), 4)),
+          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low4),
+                          _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 4), two), 4)),
+          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low4),
+                          _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 6), two), 4)),
+      };
+      const int8_t* s = sc + b * 16 + half * 8;
+      for (int part = 0; part < 4; ++part) {  // elements part*32 .. +31: scales s[2 part] (first 16), s[2 part + 1]
+        const __m256i scale = _mm256_setr_m128i(_mm_set1_epi16(s[2 * part]), _mm_set1_epi16(s[2 * part + 1]));
+        for (int r = 0; r < R; ++r) {
+          const int64_t first = b * kBlock + half * 128 + part * 32;
+          const __m256i p = _mm256_maddubs_epi16(q[part], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * k + first)));
+          isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(p, scale));
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const int32_t* s16 = sum16 + r * (k / 16) + b * 16;
+      int32_t offset = 0;  // the -32 of every code: 32 * sum_j sc_j * sum_i xq_i
+      for (int j = 0; j < 16; ++j) offset += sc[b * 16 + j] * s16[j];
+      const float scale = d[b] * dx[r * nb + b];
+      acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(scale), _mm256_cvtepi32_ps(isum[r]), acc[r]);
+      offset_acc[r] += scale * 32.0f * static_cast<float>(offset);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r * n_out] = hsum(acc[r]) - offset_acc[r];
+}
+
+// Runs `row_kernel<R>` for every output feature and every tile of rows, split over features.
+template <typename RowFn>
+at::Tensor run_tiles(const at::Tensor& x, int64_t n, const RowFn& row_fn) {
+  const int64_t rows = x.size(0);
+  auto y = at::empty({rows, n}, x.options());
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {  // one weight row from memory, then every tile of x against it
+      for (int64_t first = 0; first < rows; first += kTile)
+        row_fn(i, first, std::min<int64_t>(kTile, rows - first), yp + first * n + i);
+    }
+  });
+  return y;
+}
+
+at::Tensor q4k_matmul(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& sc, const at::Tensor& mn,
+                      const at::Tensor& d, const at::Tensor& dmin) {
+  check_inputs(x, qs, 128);
+  const int64_t n = qs.size(0), nb = qs.size(1), k = x.size(1);
+  TORCH_CHECK(sc.sizes() == at::IntArrayRef({n, nb, 8}) && mn.sizes() == sc.sizes() && d.sizes() == at::IntArrayRef({n, nb}) &&
+              dmin.sizes() == d.sizes() && sc.scalar_type() == at::kByte && mn.scalar_type() == at::kByte &&
+              d.scalar_type() == at::kFloat && dmin.scalar_type() == at::kFloat &&
+              sc.is_contiguous() && mn.is_contiguous() && d.is_contiguous() && dmin.is_contiguous(),
+              "Q4_K scales must be sc, mn [N, K/256, 8] uint8 and d, dmin [N, K/256] float32, contiguous");
+  const QuantizedRows a = quantize_rows(x);
+  const uint8_t *qp = qs.data_ptr<uint8_t>(), *sp = sc.data_ptr<uint8_t>(), *mp = mn.data_ptr<uint8_t>();
+  const float *dp = d.data_ptr<float>(), *mp2 = dmin.data_ptr<float>(), *xd = a.dx.data_ptr<float>();
+  const int8_t* xq = a.xq.data_ptr<int8_t>();
+  const int32_t* s16 = a.sum16.data_ptr<int32_t>();
+  return run_tiles(x, n, [&](int64_t i, int64_t first, int64_t tile, float* out) {
+    const uint8_t *q = qp + i * nb * 128, *s = sp + i * nb * 8, *m = mp + i * nb * 8;
+    const float *di = dp + i * nb, *mi = mp2 + i * nb;
+    const int8_t* xr = xq + first * k;
+    const float* dr = xd + first * nb;
+    const int32_t* sr = s16 + first * (k / 16);
+    switch (tile) {
+      case 4: q4k_row<4>(q, s, m, di, mi, nb, xr, dr, sr, k, out, n); break;
+      case 3: q4k_row<3>(q, s, m, di, mi, nb, xr, dr, sr, k, out, n); break;
+      case 2: q4k_row<2>(q, s, m, di, mi, nb, xr, dr, sr, k, out, n); break;
+      default: q4k_row<1>(q, s, m, di, mi, nb, xr, dr, sr, k, out, n);
+    }
+  });
+}
+
+at::Tensor q6k_matmul(const at::Tensor& x, const at::Tensor& ql, const at::Tensor& qh, const at::Tensor& sc,
+                      const at::Tensor& d) {
+  check_inputs(x, ql, 128);
+  const int64_t n = ql.size(0), nb = ql.size(1), k = x.size(1);
+  TORCH_CHECK(qh.sizes() == at::IntArrayRef({n, nb, 64}) && sc.sizes() == at::IntArrayRef({n, nb, 16}) &&
+              d.sizes() == at::IntArrayRef({n, nb}) && qh.scalar_type() == at::kByte && sc.scalar_type() == at::kChar &&
+              d.scalar_type() == at::kFloat && qh.is_contiguous() && sc.is_contiguous() && d.is_contiguous(),
+              "Q6_K parts must be qh [N, K/256, 64] uint8, sc [N, K/256, 16] int8, d [N, K/256] float32, contiguous");
+  const QuantizedRows a = quantize_rows(x);
+  const uint8_t *lp = ql.data_ptr<uint8_t>(), *hp = qh.data_ptr<uint8_t>();
+  const int8_t* sp = sc.data_ptr<int8_t>();
+  const float *dp = d.data_ptr<float>(), *xd = a.dx.data_ptr<float>();
+  const int8_t* xq = a.xq.data_ptr<int8_t>();
+  const int32_t* s16 = a.sum16.data_ptr<int32_t>();
+  return run_tiles(x, n, [&](int64_t i, int64_t first, int64_t tile, float* out) {
+    const uint8_t *l = lp + i * nb * 128, *h = hp + i * nb * 64;
+    const int8_t* s = sp + i * nb * 16;
+    const float* di = dp + i * nb;
+    const int8_t* xr = xq + first * k;
+    const float* dr = xd + first * nb;
+    const int32_t* sr = s16 + first * (k / 16);
+    switch (tile) {
+      case 4: q6k_row<4>(l, h, s, di, nb, xr, dr, sr, k, out, n); break;
+      case 3: q6k_row<3>(l, h, s, di, nb, xr, dr, sr, k, out, n); break;
+      case 2: q6k_row<2>(l, h, s, di, nb, xr, dr, sr, k, out, n); break;
+      default: q6k_row<1>(l, h, s, di, nb, xr, dr, sr, k, out, n);
+    }
+  });
+}
+
+// The activation quantisation alone, so tests can rebuild the kernel's arithmetic exactly.
+std::tuple<at::Tensor, at::Tensor> quantize_activations(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(1) % kBlock == 0,
+              "x must be a contiguous [T, K] float32 tensor with K a multiple of 256");
+  QuantizedRows a = quantize_rows(x);
+  return {a.xq, a.dx};
+}
+
+}  // namespace
+
+TORCH_LIBRARY(specav_kquant, m) {
+  m.def("q4k_matmul(Tensor x, Tensor qs, Tensor sc, Tensor mn, Tensor d, Tensor dmin) -> Tensor");
+  m.def("q6k_matmul(Tensor x, Tensor ql, Tensor qh, Tensor sc, Tensor d) -> Tensor");
+  m.def("quantize_activations(Tensor x) -> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(specav_kquant, CPU, m) {
+  m.impl("q4k_matmul", &q4k_matmul);
+  m.impl("q6k_matmul", &q6k_matmul);
+  m.impl("quantize_activations", &quantize_activations);
+}
