@@ -55,6 +55,20 @@ def test_packed_matches_transformers_with_rollbacks(family, dtype, tol):
         assert [c.length for c in caches] == [len(h) for h in histories]
 
 
+@pytest.mark.parametrize("family", ["qwen2", "llama"])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 0.05)])
+def test_single_request_paths_match_transformers(family, dtype, tol):
+    """One request alone takes the unpadded path: no mask for one new token, a causal mask for several."""
+    hf = tiny_hf_model(family, seed=2, dtype=dtype)
+    packed = PackedCausalLM(hf)
+    gen = torch.Generator().manual_seed(1)
+    history, cache = [], packed.new_cache(capacity=4)
+    for n, nlog in [(7, 2), (1, 1), (1, 1), (3, 3), (1, 1)]:
+        logits = run_packed(packed, [cache], [history], [torch.randint(2, VOCAB, (n,), generator=gen).tolist()],
+                            [nlog])
+        check(hf, [history], [nlog], logits, tol)
+
+
 def check(hf, histories, nlog, logits, tol):
     start = 0
     for hist, n in zip(histories, nlog):

@@ -1,6 +1,7 @@
 """Benchmark: the quantized weight path against bf16 / fp32 and llama.cpp, target-only, in one run.
 
     python -m specav.bench.quantized [--dtypes bf16,fp32,q4,auto] [--tokens 48] [--prompts 1] [--threads N]
+                                     [--spec-ks 2,4]
 
 All dtypes of the packaged target are loaded side by side and measured in turns (one
 forward or one decoding run of each, then the next round), so load from other processes
@@ -17,7 +18,11 @@ rounds. Printed:
 - for auto, the kernel times it measured and the kernel each layer shape runs per row count;
 - the memory of the packaged pair (target + drafter) in q4 and auto, each in a fresh process;
 - llama.cpp target-only greedy decoding of the same GGUF file and prompts, when
-  llama-cpp-python is installed (an optional benchmark extra, never a test dependency).
+  llama-cpp-python is installed (the optional `bench` extra, never a test dependency);
+- speculative decoding with static K (--spec-ks) in auto with the packaged drafter, per
+  workload, against auto target-only and llama.cpp target-only, run in turns on the same
+  prompts (greedy; where auto switches kernels by row count, verifying K + 1 rows can round
+  differently from decoding one, so outputs may part after some tokens).
 
 Goals (issue 6): auto at least 3x bf16 and 0.8x llama.cpp target-only tokens/s; both
 models in q4 under 3 GiB. This program owns no model logic; it loads like the engine.
@@ -39,7 +44,8 @@ import psutil
 import torch
 
 from specav.cli import encode_prompt
-from specav.config import EngineConfig, SamplingParams
+from specav.config import EngineConfig, SamplingParams, SpeculativeConfig
+from specav.drafting import DraftModelDrafter
 from specav.engine.engine import Engine, eos_token_ids
 from specav.evaluation.workloads import load_workload
 from specav.models import Checkpoint, load_checkpoint, packaged
@@ -58,7 +64,13 @@ LLAMA_CPP = "llama.cpp"
 class Decoded:
     tokens: list[int]
     prefill_s: float
-    step_s: list[float]  # seconds per decoded token after the first
+    step_s: list[float]  # seconds per step after the first (one token each without a drafter)
+    first_tokens: int = 1  # tokens the first (prefill) step emitted
+
+    @property
+    def throughput(self) -> float:
+        """Tokens per second after the prefill step (speculative steps emit several tokens each)."""
+        return (len(self.tokens) - self.first_tokens) / sum(self.step_s)
 
 
 @dataclass(slots=True)
@@ -82,17 +94,21 @@ class Result:
         return 1e3 * statistics.median(self.forward_s[rows])
 
 
-def decode(checkpoint: Checkpoint, prompt: list[int], tokens: int) -> Decoded:
-    """Greedy target-only decoding through the engine (no drafter), timing every step."""
-    engine = Engine(checkpoint.model, checkpoint.tokenizer, None, EngineConfig(speculative=None),
-                    eos_token_ids(checkpoint))
+def decode(checkpoint: Checkpoint, prompt: list[int], tokens: int, drafter: Checkpoint | None = None,
+           k: int = 0) -> Decoded:
+    """Greedy decoding through the engine, timing every step: target-only, or speculative with
+    static K = k when a drafter is given."""
+    spec = SpeculativeConfig(num_speculative_tokens=k) if drafter is not None else None
+    engine = Engine(checkpoint.model, checkpoint.tokenizer, DraftModelDrafter(drafter.model) if spec else None,
+                    EngineConfig(speculative=spec), eos_token_ids(checkpoint))
     request = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True))
-    times = []
+    times, emitted = [], []
     while engine.has_work():
         start = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - start)
-    return Decoded(list(request.output_ids), times[0], times[1:])
+        emitted.append(len(request.output_ids))
+    return Decoded(list(request.output_ids), times[0], times[1:], emitted[0])
 
 
 def llama_cpp_decode(llm, prompt: list[int], tokens: int) -> Decoded:
@@ -178,6 +194,22 @@ def measure_decoding(models: dict, results: dict[str, Result], prompts: list[lis
             results[name].decoded.append(run)
 
 
+def measure_speculative(models: dict, prompts: list[list[int]], tokens: int, ks: list[int],
+                        threads: int) -> dict[str, list[Decoded]]:
+    """Static-K speculative decoding in auto (packaged drafter), in turns with auto target-only and
+    llama.cpp target-only on the same prompts: method -> one Decoded per prompt."""
+    drafter = load_checkpoint("default", "auto", role="drafter")
+    runs: dict[str, list[Decoded]] = {}
+    for prompt in prompts:
+        methods = {"auto target-only": lambda p: decode(models["auto"], p, tokens)}
+        methods |= {f"auto static K={k}": lambda p, k=k: decode(models["auto"], p, tokens, drafter, k) for k in ks}
+        if LLAMA_CPP in models:
+            methods[f"{LLAMA_CPP} target-only"] = lambda p: llama_cpp_decode(models[LLAMA_CPP], p, tokens)
+        for name, run in methods.items():
+            runs.setdefault(name, []).append(run(prompt))
+    return runs
+
+
 def agreements(models: dict, results: dict[str, Result], prompts: list[list[int]]) -> dict[str, list[str]]:
     """Each dtype against bf16's greedy output (free-running and teacher-forced)."""
     if "bf16" not in models:
@@ -232,6 +264,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=5, help="rounds of forward timings (median)")
     parser.add_argument("--threads", type=int, default=None, help="torch and llama.cpp threads (default: torch's)")
     parser.add_argument("--no-llama-cpp", action="store_true", help="skip the llama.cpp peer")
+    parser.add_argument("--spec-ks", default="2,4", help="static K values for speculative decoding in auto "
+                        "('' to skip)")
     parser.add_argument("--memory-of", default=None, help=argparse.SUPPRESS)  # the memory child
     args = parser.parse_args(argv)
     if args.tokens < 3:
@@ -247,7 +281,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.memory_of:
         return memory_child(args.memory_of)
     models, results, llama_note = load_all(args.dtypes.split(","), threads, not args.no_llama_cpp)
-    prompts = _prompts(args.prompts)
+    prompts = _prompts(next(m for m in models.values() if isinstance(m, Checkpoint)).tokenizer, args.prompts)
     measure_forwards(models, results, args.repeats)
     measure_decoding(models, results, prompts, args.tokens)
     print(f"packaged target, {threads} threads, torch {torch.__version__}, {len(prompts)} prompts "
@@ -259,15 +293,15 @@ def main(argv: list[str] | None = None) -> None:
     _print_llama_cpp(results, llama_note, args.tokens)
     if "auto" in models:
         _print_kernel_choice()
+        ks = [int(k) for k in args.spec_ks.split(",") if k]
+        if ks:
+            _print_speculative(measure_speculative(models, prompts, args.tokens, ks, threads), args.prompts)
     del models
     gc.collect()
     _print_memory(threads)
 
 
-def _prompts(per_workload: int) -> list[list[int]]:
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(packaged.assembled_gguf(packaged.TARGET).parent / "hf-bf16")
+def _prompts(tokenizer, per_workload: int) -> list[list[int]]:
     return [encode_prompt(tokenizer, messages=p.chat())
             for w in WORKLOADS for p in load_workload(w)[:per_workload]]
 
@@ -299,6 +333,25 @@ def _print_llama_cpp(results: dict[str, Result], note: str, tokens: int) -> None
                     for o, p in zip(peer.decoded, r.decoded)]
             print(f"  {r.name}: {r.decode_tps / peer.decode_tps:.2f}x its tokens/s; identical greedy prefix "
                   f"with it per prompt {same} of {tokens}")
+
+
+def _print_speculative(runs: dict[str, list[Decoded]], per_workload: int) -> None:
+    print("\nspeculative decoding in auto (greedy, packaged drafter in auto), tokens/s after the prefill "
+          "step, per workload:")
+    peer = f"{LLAMA_CPP} target-only"
+    print(f"  {'workload':<9}{'method':<24}{'tokens/s':>9}{'vs auto target-only':>21}"
+          f"{'vs llama.cpp' if peer in runs else '':>14}{'tokens/step':>13}")
+    for w, workload in enumerate(WORKLOADS):
+        def tps(name: str) -> float:
+            done = runs[name][w * per_workload:(w + 1) * per_workload]
+            return sum(len(d.tokens) - d.first_tokens for d in done) / sum(sum(d.step_s) for d in done)
+
+        for name, done in runs.items():
+            done = done[w * per_workload:(w + 1) * per_workload]
+            per_step = sum(len(d.tokens) - d.first_tokens for d in done) / sum(len(d.step_s) for d in done)
+            vs_peer = f"{tps(name) / tps(peer):>14.2f}" if peer in runs else ""
+            print(f"  {workload:<9}{name:<24}{tps(name):>9.2f}{tps(name) / tps('auto target-only'):>21.2f}"
+                  f"{vs_peer}{per_step:>13.2f}")
 
 
 def _print_kernel_choice() -> None:

@@ -80,17 +80,20 @@ class PackedCausalLM:
 
         h = self.decoder.embed_tokens(ids)  # [T, hidden]
         cos, sin = self.decoder.rotary_emb(h, positions[None])  # [1, T, D] each
-        rope = (cos[0, :, None, :], sin[0, :, None, :])  # [T, 1, D]
+        half = cos.shape[-1] // 2  # rotate-half with the sign folded into sin: x cos + roll(x) sin'
+        signed_sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+        rope = (cos[0, :, None, :], signed_sin[0, :, None, :])  # [T, 1, D]
         layout = _PaddedLayout.of([c.length for c in caches], lengths)
         for layer_idx, layer in enumerate(self.decoder.layers):
-            h = h + self._attention(layer.self_attn, layer.input_layernorm(h), rope, caches, layout, layer_idx)
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            h = h + self._attention(layer.self_attn, _rms_norm(layer.input_layernorm, h), rope, caches, layout,
+                                    layer_idx)
+            h = h + layer.mlp(_rms_norm(layer.post_attention_layernorm, h))
         for cache, n in zip(caches, lengths):
             cache.advance(n)
 
         ends = torch.tensor(lengths).cumsum(0)
         rows = torch.cat([torch.arange(e - n, e) for e, n in zip(ends.tolist(), num_logits)]).long()
-        hidden = self.decoder.norm(h[rows])  # [R, hidden]
+        hidden = _rms_norm(self.decoder.norm, h[rows])  # [R, hidden]
         return ForwardOutput(logits=self.lm_head(hidden).float(), hidden=hidden)
 
     def _attention(self, attn: torch.nn.Module, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
@@ -123,11 +126,14 @@ class _PaddedLayout:
     lengths: list[int]  # new tokens per request (n_b)
     rows: torch.Tensor  # [T] row of each packed token in the flattened [B * n_max] padded queries
     n_max: int
-    mask: torch.Tensor  # [B, 1, n_max, P_max] bool: query j of request b sees keys 0..P_b + j
+    mask: torch.Tensor | None  # [B, 1, n_max, P_max] bool: query j of request b sees keys 0..P_b + j;
+    # None for one request with one query (it sees every key)
 
     @classmethod
     def of(cls, cached: Sequence[int], lengths: Sequence[int]) -> "_PaddedLayout":
         n_max = max(lengths)
+        if len(lengths) == 1 and n_max == 1:  # decoding one request: no padding, no causal structure
+            return cls([0], [1], torch.zeros(1, dtype=torch.long), 1, None)
         starts = torch.tensor([0, *lengths]).cumsum(0)[:-1].tolist()
         rows = torch.cat([torch.arange(b * n_max, b * n_max + n) for b, n in enumerate(lengths)])
         p = torch.tensor(cached)[:, None, None]  # [B, 1, 1]
@@ -139,13 +145,17 @@ class _PaddedLayout:
         return cls(list(starts), list(lengths), rows, n_max, mask[:, None])
 
     def pad_queries(self, q: torch.Tensor) -> torch.Tensor:
-        """# [T, H, D] -> # [B, n_max, H, D]."""
+        """# [T, H, D] -> # [B, n_max, H, D] (a view when there is one request)."""
+        if len(self.lengths) == 1:
+            return q[None]
         padded = q.new_zeros(len(self.lengths) * self.n_max, *q.shape[1:])
         padded[self.rows] = q
         return padded.view(len(self.lengths), self.n_max, *q.shape[1:])
 
     def unpad(self, out: torch.Tensor) -> torch.Tensor:
         """# [B, n_max, H, D] -> # [T, H, D]."""
+        if len(self.lengths) == 1:
+            return out[0]
         return out.reshape(-1, *out.shape[2:])[self.rows]
 
 
@@ -154,8 +164,14 @@ def _pad(per_request: list[torch.Tensor]) -> torch.Tensor:
     return per_request[0][None] if len(per_request) == 1 else pad_sequence(per_request, batch_first=True)
 
 
-def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: # [T, heads, D]; cos, sin: # [T, 1, D] (transformers' rotate-half convention)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+def _apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x: # [T, heads, D]; cos, signed_sin: # [T, 1, D]. transformers' rotate-half convention,
+    x cos + cat(-x2, x1) sin, written as x cos + roll(x, D/2) sin' with sin' = cat(-sin1, sin2)."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
+
+
+def _rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """transformers' RMSNorm; in float32 the same formula as one fused op (fewer calls per layer)."""
+    if x.dtype != torch.float32 or norm.weight.dtype != torch.float32:
+        return norm(x)  # other dtypes keep transformers' own rounding (upcast, normalise, cast, scale)
+    return F.rms_norm(x, (x.shape[-1],), norm.weight, norm.variance_epsilon)

@@ -20,6 +20,7 @@ import os
 import shutil
 import sys
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -31,6 +32,7 @@ SOURCE = Path(__file__).with_name("kquant.cpp")
 # runs on one thread. The library then needs libgomp.so.1, which torch has already loaded.
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-std=c++17", "-fopenmp"]
 _REQUIRED_CPU_FLAGS = ("avx2", "fma", "f16c")
+_STALE_LOCK_S = 600  # a build takes about 30 s
 _lock = threading.Lock()
 _state: dict[str, str | bool] = {}
 
@@ -68,6 +70,9 @@ def _load() -> tuple[bool, str]:
         os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
     directory = build_directory()
     directory.mkdir(parents=True, exist_ok=True)
+    lock = directory / "lock"  # torch's build lock; a build killed midway leaves it behind and
+    if lock.exists() and time.time() - lock.stat().st_mtime > _STALE_LOCK_S:  # later builds would wait forever
+        lock.unlink(missing_ok=True)
     try:
         cpp_extension.load(name="specav_kquant", sources=[str(SOURCE)], extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"],
                            build_directory=str(directory), is_python_module=False, verbose=False)
