@@ -37,6 +37,14 @@ namespace {
 constexpr int64_t kBlock = 256;  // super-block: one activation scale, one d (and dmin)
 constexpr int kTile = 4;         // rows of x per pass over a weight row
 
+// Word i of each 128-bit lane of v, repeated across that lane (i: 0..7, a compile-time constant
+// once the loops are unrolled). `lo_word`/`hi_word` pick per lane: low lane word lo, high lane hi.
+inline __m256i broadcast_words(__m256i v, int lo_word, int hi_word) {
+  const __m128i lo = _mm_set1_epi16(static_cast<short>((2 * lo_word) | ((2 * lo_word + 1) << 8)));
+  const __m128i hi = _mm_set1_epi16(static_cast<short>((2 * hi_word) | ((2 * hi_word + 1) << 8)));
+  return _mm256_shuffle_epi8(v, _mm256_setr_m128i(lo, hi));
+}
+
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -109,12 +117,15 @@ void q4k_row(const uint8_t* qs, const uint8_t* sc, const uint8_t* mn, const floa
   for (int64_t b = 0; b < nb; ++b) {
     __m256i isum[R];
     for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
+    // The 8 sub-block scales as int16, in both 128-bit lanes.
+    const __m256i scales = _mm256_broadcastsi128_si256(
+        _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc + b * 8))));
     for (int c = 0; c < 4; ++c) {  // 32 bytes = 64 elements: low nibbles sub-block 2c, high 2c + 1
       const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + b * 128 + c * 32));
       const __m256i lo = _mm256_and_si256(bytes, low4);
       const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4);
-      const __m256i s_lo = _mm256_set1_epi16(sc[b * 8 + 2 * c]);
-      const __m256i s_hi = _mm256_set1_epi16(sc[b * 8 + 2 * c + 1]);
+      const __m256i s_lo = broadcast_words(scales, 2 * c, 2 * c);
+      const __m256i s_hi = broadcast_words(scales, 2 * c + 1, 2 * c + 1);
       for (int r = 0; r < R; ++r) {
         const int8_t* xr = xq + r * k + b * kBlock + c * 64;
         const __m256i p_lo = _mm256_maddubs_epi16(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr)));
@@ -145,6 +156,9 @@ void q6k_row(const uint8_t* ql, const uint8_t* qh, const int8_t* sc, const float
   for (int64_t b = 0; b < nb; ++b) {
     __m256i isum[R];
     for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
+    // The 16 scales as int16: scales 0-7 in both lanes of halves[0], 8-15 in both lanes of halves[1].
+    const __m256i all = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + b * 16)));
+    const __m256i halves[2] = {_mm256_permute2x128_si256(all, all, 0x00), _mm256_permute2x128_si256(all, all, 0x11)};
     for (int half = 0; half < 2; ++half) {  // 128 elements: ql 64 bytes, qh 32 bytes, 8 scales
       const uint8_t* l = ql + b * 128 + half * 64;
       const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(l));
@@ -159,9 +173,8 @@ void q6k_row(const uint8_t* ql, const uint8_t* qh, const int8_t* sc, const float
           _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low4),
                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 6), two), 4)),
       };
-      const int8_t* s = sc + b * 16 + half * 8;
-      for (int part = 0; part < 4; ++part) {  // elements part*32 .. +31: scales s[2 part] (first 16), s[2 part + 1]
-        const __m256i scale = _mm256_setr_m128i(_mm_set1_epi16(s[2 * part]), _mm_set1_epi16(s[2 * part + 1]));
+      for (int part = 0; part < 4; ++part) {  // elements part*32 .. +31: scale 2 part (first 16), 2 part + 1
+        const __m256i scale = broadcast_words(halves[half], 2 * part, 2 * part + 1);
         for (int r = 0; r < R; ++r) {
           const int64_t first = b * kBlock + half * 128 + part * 32;
           const __m256i p = _mm256_maddubs_epi16(q[part], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * k + first)));
