@@ -208,8 +208,8 @@ def test_quantized_embedding_is_exact():
 # ---------------------------------------------------------------- kernel choice
 
 def test_plan_keeps_at_most_two_kernels_and_a_second_only_for_real_gains():
-    times = {"int4": [1.0, 3.0, 9.0, 30.0], "int8dyn": [1.2, 1.0, 2.0, 5.0]}
-    assert plan_from_times(times).kernels == ("int8dyn",) * 4  # 20% slower at 1 row: not worth a copy
+    times = {"int4": [1.0, 3.0, 9.0, 30.0], "int8dyn": [1.08, 1.0, 2.0, 5.0]}
+    assert plan_from_times(times).kernels == ("int8dyn",) * 4  # 8% slower at 1 row: not worth a copy
     times["int4"][0] = 0.5
     assert plan_from_times(times).kernels == ("int4", "int8dyn", "int8dyn", "int8dyn")
     times["int8"] = [3.0, 3.0, 1.0, 30.0]  # a third kernel fastest at 16 rows: the gain goes unused
