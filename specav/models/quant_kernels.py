@@ -9,7 +9,7 @@ GGUF types it holds exactly and what it approximates:
 | int4    | 4-bit, (scale, zero) per 32 | rounded to bf16      | Q4_0, Q4_1, Q4_K codes    | ~0.3%  |
 | int8    | int8, one scale per row     | rounded to bf16      | none (requantised)        | 0.5-3% |
 | int8dyn | int8, one scale per row     | int8 per row (7 bit) | none (both requantised)   | 2-4%   |
-| kquant  | the file's Q4_K/Q6_K blocks | int8 per 256 columns | Q4_K, Q6_K codes + scales | ~0.5%  |
+| kquant  | the file's Q4_K/Q6_K blocks | int8 per 256 columns | Q4_K, Q6_K codes + scales | ~0.7%  |
 
 *relative error of y against x @ dequantize(W)^T, measured on random and on the packaged
 files' tensors (tests/test_quant.py); bf16 F.linear on the same weights: ~0.25%.
