@@ -139,7 +139,10 @@ def _eval_collect(args: argparse.Namespace) -> int:
 def _eval_report(args: argparse.Namespace) -> int:
     from specav.evaluation.report import build_report
 
-    report = build_report(args.log, args.out or args.log, bins=args.bins)
+    if len(args.log) > 1 and args.out is None:
+        print("specav eval report: with several logs, say where the report goes (--out DIR)", file=sys.stderr)
+        return 2
+    report = build_report(args.log, args.out or args.log[0], bins=args.bins)
     print(f"report: {report.markdown_path} ({report.num_slots} labelled slots, {report.num_requests} requests)")
     return 0
 
@@ -186,8 +189,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_flags(col)
     add_sampling_flags(col)
     rep = evsub.add_parser("report", help="AUC / log-loss / ECE tables and plots from a log")
-    rep.add_argument("log", help="log directory written by `specav eval collect`")
-    rep.add_argument("--out", default=None, help="report directory (default: the log directory)")
+    rep.add_argument("log", nargs="+", help="log directory written by `specav eval collect` (several: pooled)")
+    rep.add_argument("--out", default=None, help="report directory (default: the log directory; "
+                                                 "required with several logs)")
     rep.add_argument("--bins", type=int, default=15, help="ECE bins (equal width on [0, 1])")
 
     bench = sub.add_parser("bench", help="benchmark programs (print tables measured in one run)")

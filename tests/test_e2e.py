@@ -38,3 +38,15 @@ def test_greedy_speculative_equals_greedy_target_only_on_the_real_pair(engine):
     reference = [r.output_ids for r in target_only.generate(prompts, greedy)]
     assert speculative == reference
     assert "fib" in tok.decode(speculative[0]).lower() or "def" in tok.decode(speculative[0])
+
+
+def test_readme_generate_command_runs_on_the_default_pair(capsys):
+    """The README's first command (default dtype: auto, native kernels, speculative decoding)."""
+    from specav.cli import main
+
+    rc = main(["generate", "--prompt", "Write a Python function that checks whether a number is prime.",
+               "--temperature", "0.7", "--max-tokens", "16", "--threads", "2"])
+    captured = capsys.readouterr()
+    assert rc == 0
+    assert len(captured.out.strip()) > 10, captured.out
+    assert "16 tokens in" in captured.err and "mean acceptance length" in captured.err, captured.err

@@ -152,3 +152,22 @@ def test_errors_name_the_problem(tmp_path: Path) -> None:
         log.append(one)
     with pytest.raises(ValueError, match="request split"):
         build_report(tmp_path / "one", tmp_path / "out")
+
+
+def test_several_logs_are_pooled_with_requests_kept_apart(tmp_path: Path) -> None:
+    """Two runs whose request ids collide: pooled, they count as different requests."""
+    write_synthetic_slot_log(tmp_path / "a", 6_000, NO_SHIFT, seed=3, hidden_dim=8)
+    write_synthetic_slot_log(tmp_path / "b", 6_000, NO_SHIFT, seed=3, hidden_dim=8)  # same ids as a
+    one = build_report(tmp_path / "a", tmp_path / "one")
+    both = build_report([tmp_path / "a", tmp_path / "b"], tmp_path / "both")
+    assert both.num_slots == 2 * one.num_slots and both.num_requests == 2 * one.num_requests
+    text = (tmp_path / "both" / "report.md").read_text()
+    assert f"`{tmp_path / 'a'}`" in text and f"`{tmp_path / 'b'}`" in text
+    from specav.cli import main
+
+    assert main(["eval", "report", str(tmp_path / "a"), str(tmp_path / "b")]) == 2  # where would it go?
+    assert main(["eval", "report", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(tmp_path / "cli")]) == 0
+    assert (tmp_path / "cli" / "report.md").exists()
+    write_synthetic_slot_log(tmp_path / "c", 6_000, NO_SHIFT, seed=4)  # no hidden column
+    with pytest.raises(ValueError, match="cannot be pooled"):
+        build_report([tmp_path / "a", tmp_path / "c"], tmp_path / "bad")

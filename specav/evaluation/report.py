@@ -23,6 +23,7 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Callable
 
 import numpy as np
@@ -30,6 +31,8 @@ import pyarrow as pa
 
 from specav.evaluation.metrics import DEFAULT_BINS, ScorerMetrics, auc, log_loss, measure, reliability_table
 from specav.evaluation.slot_log import hidden_matrix, read_meta, read_slot_log
+
+LogDirs = str | os.PathLike | Sequence[str | os.PathLike]  # one slot log directory, or several to pool
 
 HELD_OUT_FRACTION = 0.3
 HEAD_MAX_TRAIN_ROWS = 200_000
@@ -83,11 +86,25 @@ def _encode(column: pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray]:
     return codes, names
 
 
-def load_slots(log_dir: str | os.PathLike) -> SlotData:
-    """Read a slot log into SlotData (hidden states included when the log has them)."""
-    table = read_slot_log(log_dir)
+def load_slots(log_dirs: LogDirs) -> SlotData:
+    """Read one or several slot logs into SlotData (hidden states included when the logs have them).
+
+    Several logs (runs of the same pair, e.g. one per workload group) are pooled; request ids
+    are prefixed with the log's index so requests of different runs stay apart.
+    """
+    dirs = _log_list(log_dirs)
+    tables = [read_slot_log(d) for d in dirs]
+    if len(tables) > 1:
+        tables = [t.set_column(t.column_names.index("request_id"), "request_id",
+                               pa.array([f"{i}:{r}" for r in t.column("request_id").to_pylist()], pa.string()))
+                  for i, t in enumerate(tables)]
+    try:
+        table = pa.concat_tables(tables)
+    except pa.ArrowInvalid as err:
+        raise ValueError(f"slot logs {[str(d) for d in dirs]} cannot be pooled ({err}): log the same "
+                         "columns in each run (--hidden in all or none)") from err
     if table.num_rows == 0:
-        raise ValueError(f"slot log {log_dir} has no labelled slots (no complete part); "
+        raise ValueError(f"slot log {', '.join(map(str, dirs))} has no labelled slots (no complete part); "
                          "run longer or close the writer so it flushes")
     request, request_names = _encode(table.column("request_id"))
     workload, workload_names = _encode(table.column("workload"))
@@ -101,6 +118,10 @@ def load_slots(log_dir: str | os.PathLike) -> SlotData:
         request=request, request_names=request_names, workload=rank[workload],
         workload_names=tuple(workload_names[order]), position=table.column("position").to_numpy().astype(np.int64),
         hidden=hidden_matrix(table) if "hidden" in table.column_names else None, **f64)
+
+
+def _log_list(log_dirs: LogDirs) -> list[Path]:
+    return [Path(log_dirs)] if isinstance(log_dirs, (str, os.PathLike)) else [Path(d) for d in log_dirs]
 
 
 def held_out_requests(request_names: np.ndarray, seed: int = 0,
@@ -498,9 +519,9 @@ def _assemble(data: SlotData, ctx: ScoringContext, scores: dict[str, Scores | st
         online_all_slots=measure(data.confidence, data.label, bins), notes=tuple(ctx.notes))
 
 
-def build_report(log_dir: str | os.PathLike, out_dir: str | os.PathLike, bins: int = DEFAULT_BINS,
+def build_report(log_dir: LogDirs, out_dir: str | os.PathLike, bins: int = DEFAULT_BINS,
                  seed: int = 0) -> Report:
-    """Measure every scorer on a slot log; write `report.md` and PNG plots into out_dir.
+    """Measure every scorer on a slot log (or several, pooled); write `report.md` and PNG plots into out_dir.
 
     Offline scorers are fitted on the training requests and every scorer is measured on the
     held-out requests (a deterministic 70/30 split by hash of (seed, request_id)).
@@ -513,7 +534,7 @@ def build_report(log_dir: str | os.PathLike, out_dir: str | os.PathLike, bins: i
     ctx = _scoring_context(data, seed)
     scores = {spec.key: spec.score(ctx) for spec in SCORERS}
     report = _assemble(data, ctx, scores, out, bins)
-    report.markdown_path.write_text(render_markdown(report, Path(log_dir)), encoding="utf-8")
+    report.markdown_path.write_text(render_markdown(report, _log_list(log_dir)), encoding="utf-8")
     return report
 
 
@@ -659,10 +680,9 @@ def _meta_text(meta: dict) -> str:
     return ", ".join(f"{k}={short(meta[k])}" for k in sorted(meta))
 
 
-def _summary(report: Report, log_dir: Path) -> list[str]:
-    meta = read_meta(log_dir)
-    lines = [
-        f"- log: `{log_dir}`" + (f" ({_meta_text(meta)})" if meta else ""),
+def _summary(report: Report, log_dirs: list[Path]) -> list[str]:
+    lines = [f"- log: `{d}`" + (f" ({_meta_text(meta)})" if (meta := read_meta(d)) else "") for d in log_dirs]
+    lines += [
         f"- labelled slots: {report.num_slots:,}; requests: {report.num_requests:,}; "
         f"workloads: {len(report.per_workload)}",
         f"- split by request (hash of seed and request_id): {report.num_train_requests:,} training requests, "
@@ -692,11 +712,11 @@ def _workload_section(report: Report) -> list[str]:
     ]
 
 
-def render_markdown(report: Report, log_dir: Path) -> str:
+def render_markdown(report: Report, log_dirs: list[Path]) -> str:
     """The report as markdown: summary, the rulers per scorer, positions, workloads, calibration."""
     plots = [f"![{name}]({path.name})" for name, path in report.plot_paths.items()]
     parts = [
-        "# Acceptance scorers: evaluation report", "", *_summary(report, log_dir), "",
+        "# Acceptance scorers: evaluation report", "", *_summary(report, log_dirs), "",
         "The four rulers: lossless (may trimming use it without changing the output distribution?), "
         "AUC, log-loss, ECE. Reported figures (estimator.md) come from about 4.5 million labelled "
         "drafts of DeepSeek-V4-Flash with a DSpark drafter; ours are to be compared in kind.", "",
