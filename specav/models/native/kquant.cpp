@@ -52,7 +52,8 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// Activations of T rows, quantised: xq [T, K] int8, dx [T, K/256] scales, sum16 [T, K/16].
+// Activations of T rows, quantised: xq [T, K] int8, dx [T, K/256] scales, sum16 [T, K/16] int16
+// (sums of 16 codes, |sum| <= 2032), for the min / offset terms of the dot products.
 struct QuantizedRows {
   at::Tensor xq, dx, sum16;
 };
@@ -61,11 +62,11 @@ QuantizedRows quantize_rows(const at::Tensor& x) {
   const int64_t rows = x.size(0), k = x.size(1), blocks = k / kBlock;
   auto xq = at::empty({rows, k}, x.options().dtype(at::kChar));
   auto dx = at::empty({rows, blocks}, x.options());
-  auto sum16 = at::empty({rows, k / 16}, x.options().dtype(at::kInt));
+  auto sum16 = at::empty({rows, k / 16}, x.options().dtype(at::kShort));
   const float* xp = x.data_ptr<float>();
   int8_t* qp = xq.data_ptr<int8_t>();
   float* dp = dx.data_ptr<float>();
-  int32_t* sp = sum16.data_ptr<int32_t>();
+  int16_t* sp = sum16.data_ptr<int16_t>();
   const __m256 sign = _mm256_set1_ps(-0.0f);
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
   at::parallel_for(0, rows * blocks, 16, [&](int64_t begin, int64_t end) {
@@ -87,11 +88,11 @@ QuantizedRows quantize_rows(const at::Tensor& x) {
         const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(a[0], a[1]), _mm256_packs_epi32(a[2], a[3]));
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), _mm256_permutevar8x32_epi32(packed, order));
       }
-      int32_t* sums = sp + rb * (kBlock / 16);
+      int16_t* sums = sp + rb * (kBlock / 16);
       for (int g = 0; g < kBlock / 16; ++g) {
         int32_t s = 0;
         for (int i = 0; i < 16; ++i) s += dst[16 * g + i];
-        sums[g] = s;
+        sums[g] = static_cast<int16_t>(s);
       }
     }
   });
@@ -109,11 +110,10 @@ void check_inputs(const at::Tensor& x, const at::Tensor& codes, int64_t code_byt
 // One weight row (nb super-blocks) against a tile of R activation rows.
 template <int R>
 void q4k_row(const uint8_t* qs, const uint8_t* sc, const uint8_t* mn, const float* d, const float* dmin,
-             int64_t nb, const int8_t* xq, const float* dx, const int32_t* sum16, int64_t k, float* out, int64_t n_out) {
+             int64_t nb, const int8_t* xq, const float* dx, const int16_t* sum16, int64_t k, float* out, int64_t n_out) {
   const __m256i low4 = _mm256_set1_epi8(0x0F);
   __m256 acc[R];
-  float min_acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps(), min_acc[r] = 0.0f;
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     __m256i isum[R];
     for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
@@ -133,26 +133,27 @@ void q4k_row(const uint8_t* qs, const uint8_t* sc, const uint8_t* mn, const floa
         isum[r] = _mm256_add_epi32(isum[r], _mm256_add_epi32(_mm256_madd_epi16(p_lo, s_lo), _mm256_madd_epi16(p_hi, s_hi)));
       }
     }
+    // The mins, each twice (m0 m0 m1 m1 ... m7 m7), against the 16 sums of 16 codes: lane j of
+    // madd is m_j * (sum of sub-block j's 32 codes).
+    const __m128i m8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(mn + b * 8));
+    const __m256i mins = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m8, m8));
     for (int r = 0; r < R; ++r) {
       const float xd = dx[r * nb + b];
+      const __m256i s16 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sum16 + r * (k / 16) + b * 16));
       acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d[b] * xd), _mm256_cvtepi32_ps(isum[r]), acc[r]);
-      const int32_t* s16 = sum16 + r * (k / 16) + b * 16;
-      int32_t msum = 0;
-      for (int j = 0; j < 8; ++j) msum += mn[b * 8 + j] * (s16[2 * j] + s16[2 * j + 1]);
-      min_acc[r] += dmin[b] * xd * static_cast<float>(msum);
+      acc[r] = _mm256_fnmadd_ps(_mm256_set1_ps(dmin[b] * xd), _mm256_cvtepi32_ps(_mm256_madd_epi16(s16, mins)), acc[r]);
     }
   }
-  for (int r = 0; r < R; ++r) out[r * n_out] = hsum(acc[r]) - min_acc[r];
+  for (int r = 0; r < R; ++r) out[r * n_out] = hsum(acc[r]);
 }
 
 template <int R>
 void q6k_row(const uint8_t* ql, const uint8_t* qh, const int8_t* sc, const float* d,
-             int64_t nb, const int8_t* xq, const float* dx, const int32_t* sum16, int64_t k, float* out, int64_t n_out) {
+             int64_t nb, const int8_t* xq, const float* dx, const int16_t* sum16, int64_t k, float* out, int64_t n_out) {
   const __m256i low4 = _mm256_set1_epi8(0x0F);
   const __m256i two = _mm256_set1_epi8(0x03);
   __m256 acc[R];
-  float offset_acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps(), offset_acc[r] = 0.0f;
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     __m256i isum[R];
     for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
@@ -182,16 +183,14 @@ void q6k_row(const uint8_t* ql, const uint8_t* qh, const int8_t* sc, const float
         }
       }
     }
-    for (int r = 0; r < R; ++r) {
-      const int32_t* s16 = sum16 + r * (k / 16) + b * 16;
-      int32_t offset = 0;  // the -32 of every code: 32 * sum_j sc_j * sum_i xq_i
-      for (int j = 0; j < 16; ++j) offset += sc[b * 16 + j] * s16[j];
+    for (int r = 0; r < R; ++r) {  // the -32 of every code: 32 * sum_j sc_j * (sum of sub-block j's codes)
+      const __m256i s16 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sum16 + r * (k / 16) + b * 16));
       const float scale = d[b] * dx[r * nb + b];
       acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(scale), _mm256_cvtepi32_ps(isum[r]), acc[r]);
-      offset_acc[r] += scale * 32.0f * static_cast<float>(offset);
+      acc[r] = _mm256_fnmadd_ps(_mm256_set1_ps(32.0f * scale), _mm256_cvtepi32_ps(_mm256_madd_epi16(s16, all)), acc[r]);
     }
   }
-  for (int r = 0; r < R; ++r) out[r * n_out] = hsum(acc[r]) - offset_acc[r];
+  for (int r = 0; r < R; ++r) out[r * n_out] = hsum(acc[r]);
 }
 
 // Runs `row_kernel<R>` for every output feature and every tile of rows, split over features.
@@ -222,13 +221,13 @@ at::Tensor q4k_matmul(const at::Tensor& x, const at::Tensor& qs, const at::Tenso
   const uint8_t *qp = qs.data_ptr<uint8_t>(), *sp = sc.data_ptr<uint8_t>(), *mp = mn.data_ptr<uint8_t>();
   const float *dp = d.data_ptr<float>(), *mp2 = dmin.data_ptr<float>(), *xd = a.dx.data_ptr<float>();
   const int8_t* xq = a.xq.data_ptr<int8_t>();
-  const int32_t* s16 = a.sum16.data_ptr<int32_t>();
+  const int16_t* s16 = a.sum16.data_ptr<int16_t>();
   return run_tiles(x, n, [&](int64_t i, int64_t first, int64_t tile, float* out) {
     const uint8_t *q = qp + i * nb * 128, *s = sp + i * nb * 8, *m = mp + i * nb * 8;
     const float *di = dp + i * nb, *mi = mp2 + i * nb;
     const int8_t* xr = xq + first * k;
     const float* dr = xd + first * nb;
-    const int32_t* sr = s16 + first * (k / 16);
+    const int16_t* sr = s16 + first * (k / 16);
     switch (tile) {
       case 4: q4k_row<4>(q, s, m, di, mi, nb, xr, dr, sr, k, out, n); break;
       case 3: q4k_row<3>(q, s, m, di, mi, nb, xr, dr, sr, k, out, n); break;
@@ -251,14 +250,14 @@ at::Tensor q6k_matmul(const at::Tensor& x, const at::Tensor& ql, const at::Tenso
   const int8_t* sp = sc.data_ptr<int8_t>();
   const float *dp = d.data_ptr<float>(), *xd = a.dx.data_ptr<float>();
   const int8_t* xq = a.xq.data_ptr<int8_t>();
-  const int32_t* s16 = a.sum16.data_ptr<int32_t>();
+  const int16_t* s16 = a.sum16.data_ptr<int16_t>();
   return run_tiles(x, n, [&](int64_t i, int64_t first, int64_t tile, float* out) {
     const uint8_t *l = lp + i * nb * 128, *h = hp + i * nb * 64;
     const int8_t* s = sp + i * nb * 16;
     const float* di = dp + i * nb;
     const int8_t* xr = xq + first * k;
     const float* dr = xd + first * nb;
-    const int32_t* sr = s16 + first * (k / 16);
+    const int16_t* sr = s16 + first * (k / 16);
     switch (tile) {
       case 4: q6k_row<4>(l, h, s, di, nb, xr, dr, sr, k, out, n); break;
       case 3: q6k_row<3>(l, h, s, di, nb, xr, dr, sr, k, out, n); break;
