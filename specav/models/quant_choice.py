@@ -11,8 +11,9 @@ kernel profile that `auto` chooses from.
   except that one second kernel may take the row counts where it is more than 10% faster
   (a second kernel costs a second packed copy of the layer: kquant for decoding beside
   int8dyn for verification; docs/quantized.md gives the memory). Times are measured once
-  per machine and kept in `<cache>/kernel-profile.json` under a key naming the CPU and
-  torch version (delete the file to measure again); `profile()` returns them.
+  per machine and kept in `<cache>/kernel-profile.json` under a key naming the CPU, the
+  torch version and the native kernels' build (delete the file to measure again);
+  `profile()` returns them.
 
 Why one thread: on a shared 2-core machine, a 2-thread kernel call of about a millisecond
 waits for a descheduled thread most of the time, so 2-thread timings come out as
@@ -40,6 +41,7 @@ from typing import Protocol
 
 import torch
 
+from specav.models import native
 from specav.models.quant_formats import GGUFWeight
 from specav.models.quant_kernels import KERNELS, Int4Weight, PackedWeight
 
@@ -136,7 +138,9 @@ def profile_key(weight: GGUFWeight) -> str:
 
 
 def machine_key() -> str:
-    return f"{_cpu_name()} | {torch.backends.cpu.get_cpu_capability()} | torch {torch.__version__} | 1 thread"
+    """CPU, torch and native-kernel build: timings taken with another kernel build are not reused."""
+    return (f"{_cpu_name()} | {torch.backends.cpu.get_cpu_capability()} | torch {torch.__version__} | "
+            f"kquant {native.build_directory().name} | 1 thread")
 
 
 def measure(candidates: dict[str, PackedWeight], rows: tuple[int, ...] = ROW_BUCKETS) -> dict[str, list[float]]:
