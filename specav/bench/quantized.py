@@ -67,11 +67,6 @@ class Decoded:
     step_s: list[float]  # seconds per step after the first (one token each without a drafter)
     first_tokens: int = 1  # tokens the first (prefill) step emitted
 
-    @property
-    def throughput(self) -> float:
-        """Tokens per second after the prefill step (speculative steps emit several tokens each)."""
-        return (len(self.tokens) - self.first_tokens) / sum(self.step_s)
-
 
 @dataclass(slots=True)
 class Result:
@@ -340,18 +335,19 @@ def _print_speculative(runs: dict[str, list[Decoded]], per_workload: int) -> Non
           "step, per workload:")
     peer = f"{LLAMA_CPP} target-only"
     print(f"  {'workload':<9}{'method':<24}{'tokens/s':>9}{'vs auto target-only':>21}"
-          f"{'vs llama.cpp' if peer in runs else '':>14}{'tokens/step':>13}")
+          + (f"{'vs llama.cpp':>14}" if peer in runs else "") + f"{'tokens/step':>13}")
     for w, workload in enumerate(WORKLOADS):
-        def tps(name: str) -> float:
-            done = runs[name][w * per_workload:(w + 1) * per_workload]
-            return sum(len(d.tokens) - d.first_tokens for d in done) / sum(sum(d.step_s) for d in done)
-
-        for name, done in runs.items():
-            done = done[w * per_workload:(w + 1) * per_workload]
-            per_step = sum(len(d.tokens) - d.first_tokens for d in done) / sum(len(d.step_s) for d in done)
-            vs_peer = f"{tps(name) / tps(peer):>14.2f}" if peer in runs else ""
-            print(f"  {workload:<9}{name:<24}{tps(name):>9.2f}{tps(name) / tps('auto target-only'):>21.2f}"
+        rates = {name: _pooled(done[w * per_workload:(w + 1) * per_workload]) for name, done in runs.items()}
+        for name, (tps, per_step) in rates.items():
+            vs_peer = f"{tps / rates[peer][0]:>14.2f}" if peer in rates else ""
+            print(f"  {workload:<9}{name:<24}{tps:>9.2f}{tps / rates['auto target-only'][0]:>21.2f}"
                   f"{vs_peer}{per_step:>13.2f}")
+
+
+def _pooled(done: list[Decoded]) -> tuple[float, float]:
+    """(tokens/s after the prefill step, tokens per step) over several runs of one method."""
+    tokens = sum(len(d.tokens) - d.first_tokens for d in done)
+    return tokens / sum(sum(d.step_s) for d in done), tokens / sum(len(d.step_s) for d in done)
 
 
 def _print_kernel_choice() -> None:

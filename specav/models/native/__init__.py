@@ -1,7 +1,7 @@
 """Native CPU kernels, compiled on first use: AVX2 matmul on GGUF k-quant blocks (kquant.cpp).
 
 Owns: building kquant.cpp with torch's C++ extension tools (g++ and ninja) into
-`~/.cache/specav/native/<build key>/` the first time a process needs it (about a minute; later
+`~/.cache/specav/native/<build key>/` the first time a process needs it (about 30 s; later
 processes load the built library in milliseconds), and saying why when it cannot.
 
 The ops land in `torch.ops.specav_kquant`: `q4k_matmul`, `q6k_matmul`,
@@ -70,12 +70,14 @@ def _load() -> tuple[bool, str]:
         os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
     directory = build_directory()
     directory.mkdir(parents=True, exist_ok=True)
-    lock = directory / "lock"  # torch's build lock; a build killed midway leaves it behind and
-    if lock.exists() and time.time() - lock.stat().st_mtime > _STALE_LOCK_S:  # later builds would wait forever
+    # torch's build lock: a build killed midway leaves it behind, and later builds would wait on it forever.
+    lock = directory / "lock"
+    if lock.exists() and time.time() - lock.stat().st_mtime > _STALE_LOCK_S:
         lock.unlink(missing_ok=True)
     try:
-        cpp_extension.load(name="specav_kquant", sources=[str(SOURCE)], extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"],
-                           build_directory=str(directory), is_python_module=False, verbose=False)
+        cpp_extension.load(name="specav_kquant", sources=[str(SOURCE)], extra_cflags=_FLAGS,
+                           extra_ldflags=["-fopenmp"], build_directory=str(directory), is_python_module=False,
+                           verbose=False)
     except (RuntimeError, OSError, ImportError, FileNotFoundError) as err:  # no compiler / ninja, build error
         log.warning("native k-quant kernels unavailable (%s); using torch's kernels", err)
         return False, f"building {SOURCE.name} failed: {str(err).strip().splitlines()[-1] if str(err) else err!r}"
