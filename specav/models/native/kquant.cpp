@@ -31,6 +31,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 namespace {
 
@@ -193,6 +194,17 @@ void q6k_row(const uint8_t* ql, const uint8_t* qh, const int8_t* sc, const float
   for (int r = 0; r < R; ++r) out[r * n_out] = hsum(acc[r]);
 }
 
+// Calls fn(std::integral_constant<int, R>) with R = tile (1..kTile), so row kernels get R at compile time.
+template <typename Fn>
+void with_tile(int64_t tile, const Fn& fn) {
+  switch (tile) {
+    case 4: fn(std::integral_constant<int, 4>{}); break;
+    case 3: fn(std::integral_constant<int, 3>{}); break;
+    case 2: fn(std::integral_constant<int, 2>{}); break;
+    default: fn(std::integral_constant<int, 1>{});
+  }
+}
+
 // Runs `row_kernel<R>` for every output feature and every tile of rows, split over features.
 template <typename RowFn>
 at::Tensor run_tiles(const at::Tensor& x, int64_t n, const RowFn& row_fn) {
@@ -228,12 +240,7 @@ at::Tensor q4k_matmul(const at::Tensor& x, const at::Tensor& qs, const at::Tenso
     const int8_t* xr = xq + first * k;
     const float* dr = xd + first * nb;
     const int16_t* sr = s16 + first * (k / 16);
-    switch (tile) {
-      case 4: q4k_row<4>(q, s, m, di, mi, nb, xr, dr, sr, k, out, n); break;
-      case 3: q4k_row<3>(q, s, m, di, mi, nb, xr, dr, sr, k, out, n); break;
-      case 2: q4k_row<2>(q, s, m, di, mi, nb, xr, dr, sr, k, out, n); break;
-      default: q4k_row<1>(q, s, m, di, mi, nb, xr, dr, sr, k, out, n);
-    }
+    with_tile(tile, [&](auto r) { q4k_row<decltype(r)::value>(q, s, m, di, mi, nb, xr, dr, sr, k, out, n); });
   });
 }
 
@@ -258,12 +265,7 @@ at::Tensor q6k_matmul(const at::Tensor& x, const at::Tensor& ql, const at::Tenso
     const int8_t* xr = xq + first * k;
     const float* dr = xd + first * nb;
     const int16_t* sr = s16 + first * (k / 16);
-    switch (tile) {
-      case 4: q6k_row<4>(l, h, s, di, nb, xr, dr, sr, k, out, n); break;
-      case 3: q6k_row<3>(l, h, s, di, nb, xr, dr, sr, k, out, n); break;
-      case 2: q6k_row<2>(l, h, s, di, nb, xr, dr, sr, k, out, n); break;
-      default: q6k_row<1>(l, h, s, di, nb, xr, dr, sr, k, out, n);
-    }
+    with_tile(tile, [&](auto r) { q6k_row<decltype(r)::value>(l, h, s, di, nb, xr, dr, sr, k, out, n); });
   });
 }
 
