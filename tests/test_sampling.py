@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from scipy.stats import chisquare
 
 from specav.verification import sampling
-from specav.verification.sampling import processed_probs, sample, temperature_logits
+from specav.verification.sampling import categorical, processed_probs, sample, temperature_logits
 
 PROPERTY = settings(max_examples=80, deadline=None, derandomize=True, database=None)
 
@@ -214,7 +214,7 @@ def test_sample_draws_each_row_from_its_own_generator_in_row_order():
     probs = torch.softmax(torch.randn(5, 7, generator=torch.Generator().manual_seed(1)), -1)
     shared = sample(probs, [torch.Generator().manual_seed(7)] * 5)
     g = torch.Generator().manual_seed(7)
-    assert shared.tolist() == [int(torch.multinomial(row, 1, generator=g)) for row in probs]
+    assert shared.tolist() == [categorical(row, g) for row in probs]
     separate = sample(probs, [torch.Generator().manual_seed(s) for s in range(5)])
     again = sample(probs, [torch.Generator().manual_seed(s) for s in range(5)])
     assert separate.dtype == torch.int64 and torch.equal(separate, again)
@@ -227,3 +227,24 @@ def test_sample_histogram_matches_probs():
     counts = np.bincount(tokens.numpy(), minlength=4)
     assert chisquare(counts, 4000 * np.array([0.1, 0.2, 0.3, 0.4])).pvalue > 1e-3
     assert chisquare(counts, 4000 * np.full(4, 0.25)).pvalue < 1e-6  # the test has power
+
+
+def test_sample_never_draws_a_zero_weight_token_and_matches_a_large_vocabulary():
+    """Inverse CDF over V = 151,936 (the packaged pair's vocabulary): zero-weight tokens, among them
+    the first and the last, are never drawn, and the draws follow the weights."""
+    v = 151_936
+    probs = torch.zeros(v)
+    support = torch.tensor([1, 7, 50_000, 151_934])
+    probs[support] = torch.tensor([0.1, 0.2, 0.3, 0.4])
+    g = torch.Generator().manual_seed(11)
+    tokens = sample(probs.expand(4000, v), [g] * 4000)
+    assert set(tokens.tolist()) <= set(support.tolist())
+    counts = np.array([(tokens == t).sum().item() for t in support])
+    assert chisquare(counts, 4000 * np.array([0.1, 0.2, 0.3, 0.4])).pvalue > 1e-3
+
+
+def test_sample_uniform_rounding_up_to_the_total_draws_the_last_token_with_weight(monkeypatch):
+    probs = torch.tensor([[0.0, 0.5, 0.5, 0.0], [0.2, 0.0, 0.0, 0.8]])
+    monkeypatch.setattr(torch, "rand", lambda *a, **k: torch.ones(1, dtype=torch.float64))  # u * total == total
+    assert sample(probs, [torch.Generator()] * 2).tolist() == [2, 3]
+    assert categorical(probs[0], torch.Generator()) == 2

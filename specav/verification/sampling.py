@@ -66,16 +66,33 @@ def sample(probs: torch.Tensor, generators: Sequence[torch.Generator]) -> torch.
     """One token per row, drawn with that row's generator (rows of one request may share one).
 
     probs:      # [N, V] float32, non-negative rows with positive sum (need not be normalised)
-    generators: N generators on probs' device; each row draws once, in row order
+    generators: N generators on probs' device; each row draws one float64 uniform, in row order
     returns:    # [N] int64
+
+    Inverse CDF in float64: row n yields the first token whose cumulative weight exceeds
+    u_n * (row total), so token v has probability weight_v / total up to float64 rounding, and a
+    zero-weight token is never drawn. One uniform per row, where torch.multinomial draws one
+    exponential per vocabulary entry (about 4 ms per row at V = 152k on this machine's CPU).
     """
     if len(generators) != probs.shape[0]:
         raise ValueError(f"sample: got {len(generators)} generators for {probs.shape[0]} rows; "
                          "pass one generator per row")
-    tokens = [torch.multinomial(row, 1, generator=g) for row, g in zip(probs, generators)]
-    if not tokens:
+    if not generators:
         return torch.zeros(0, dtype=torch.int64, device=probs.device)
-    return torch.cat(tokens)
+    cdf = probs.double().cumsum(dim=-1)  # [N, V]
+    u = torch.cat([torch.rand(1, generator=g, dtype=torch.float64, device=probs.device)
+                   for g in generators])  # [N], in row order
+    tokens = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(1)  # [N]
+    overflow = tokens >= probs.shape[1]  # u * total rounded up to the total: the last token with weight
+    if overflow.any():
+        last = probs.shape[1] - 1 - (probs.flip(-1) > 0).int().argmax(-1)  # [N]
+        tokens = torch.where(overflow, last, tokens)
+    return tokens
+
+
+def categorical(weights: torch.Tensor, generator: torch.Generator) -> int:
+    """One index of a weight vector (# [V], non-negative, positive sum), as `sample` draws it."""
+    return int(sample(weights[None], [generator])[0])
 
 
 def _apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
