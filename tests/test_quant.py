@@ -122,11 +122,14 @@ KERNEL_CASES = [(k, q) for q in (T.Q4_K, T.Q5_0, T.Q6_K, T.Q8_0, T.Q4_0, T.Q4_1)
 def test_kernel_matches_dequantised_reference(kernel, qtype, rows):
     weight = random_weight(qtype, seed=rows)
     x = torch.randn(rows, weight.shape[1], generator=torch.Generator().manual_seed(rows))  # [T, K]
+    bias = torch.randn(weight.shape[0], generator=torch.Generator().manual_seed(rows + 1))  # [N]
     reference = x @ dequantize(weight).t()  # [T, N]
-    y = KERNELS[kernel].pack(weight).matmul(x)
+    packed = KERNELS[kernel].pack(weight)
+    y = packed.matmul(x)
     assert y.shape == reference.shape and y.dtype == torch.float32
     error = ((y - reference).norm() / reference.norm()).item()
     assert error < TOLERANCE[kernel], f"{kernel} on {qtype.name}: relative error {error:.4f}"
+    torch.testing.assert_close(packed.matmul(x, bias), y + bias, rtol=0, atol=0)  # the bias, added once
 
 
 def test_native_kernels_build_on_this_machine():
@@ -186,10 +189,13 @@ def test_quantized_linear_routes_rows_and_keeps_shape_and_dtype():
     used = []
     for name, packed in layer.packed.items():
         original = packed.matmul
-        packed.matmul = lambda x, name=name, original=original: used.append(name) or original(x)
+        packed.matmul = lambda x, b, name=name, original=original: used.append(name) or original(x, b)
     x = torch.randn(2, 3, 256, dtype=torch.bfloat16)  # 6 rows -> the 4-row plan
     y = layer(x)
     assert y.shape == (2, 3, 64) and y.dtype == torch.bfloat16 and used == ["int8"]
+    int8 = layer.packed["int8"]
+    expected = type(int8).matmul(int8, x.reshape(6, 256).float()) + bias
+    torch.testing.assert_close(y.float(), expected.view(2, 3, 64).bfloat16().float())
     layer(torch.randn(1, 256))
     layer(torch.randn(40, 256))
     assert used == ["int8", "int4", "int8dyn"]

@@ -6,11 +6,12 @@ only for the positions asked for. This is what verification needs: every request
 verify a different number of tokens in the same forward.
 
 Linear layers, norms and the MLP run once over all T packed tokens; attention runs in
-one call over the batch padded to the longest request, each request seeing its own cached
-keys plus its new ones, causally (a boolean mask built once per forward). The weights and the
-submodules are transformers' own (embedding, norms, projections, MLP, rotary embedding),
-so the numbers match transformers' forward, and a module swapped for a quantized one is
-picked up without changes here.
+one call over the batch, each request seeing its own cached keys plus its new ones,
+causally. The weights and the submodules are transformers' own (embedding, norms,
+projections, MLP, rotary embedding), so the numbers match transformers' forward, and a
+module swapped for a quantized one is picked up without changes here. The arithmetic
+between the linear layers (norms, rotary, attention, the MLP's gate) comes from
+layer_ops.py: torch ops, or one native call each for float32 activations.
 
 Must not know: sampling, drafting, requests or the engine.
 """
@@ -21,10 +22,9 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
-import torch.nn.functional as F
-from torch.nn.utils.rnn import pad_sequence
 
 from specav.models.kv_cache import KVCache
+from specav.models.layer_ops import layer_ops_for
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 
@@ -55,6 +55,7 @@ class PackedCausalLM:
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         self.dtype = self.decoder.norm.weight.dtype  # activations and KV caches (quantized linears have no .weight)
         self.vocab_size = config.vocab_size
+        self.ops = layer_ops_for(self.dtype, config.hidden_act, self.head_dim)
 
     def new_cache(self, capacity: int = 256) -> KVCache:
         return KVCache(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype, capacity)
@@ -78,100 +79,50 @@ class PackedCausalLM:
         for cache, n in zip(caches, lengths):
             cache.reserve(n)
 
-        h = self.decoder.embed_tokens(ids)  # [T, hidden]
+        ops, layers = self.ops, self.decoder.layers
+        h = self.decoder.embed_tokens(ids)  # [T, hidden]: the residual stream
         cos, sin = self.decoder.rotary_emb(h, positions[None])  # [1, T, D] each
-        half = cos.shape[-1] // 2  # rotate-half with the sign folded into sin: x cos + roll(x) sin'
-        signed_sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
-        rope = (cos[0, :, None, :], signed_sin[0, :, None, :])  # [T, 1, D]
-        layout = _PaddedLayout.of([c.length for c in caches], lengths)
-        for layer_idx, layer in enumerate(self.decoder.layers):
-            h = h + self._attention(layer.self_attn, _rms_norm(layer.input_layernorm, h), rope, caches, layout,
-                                    layer_idx)
-            h = h + layer.mlp(_rms_norm(layer.post_attention_layernorm, h))
+        rope = ops.rope_tables(cos[0], sin[0])
+        batch = _Batch(caches, lengths, ops.layout([c.length for c in caches], lengths))
+        x = ops.norm(layers[0].input_layernorm, h)
+        for i, layer in enumerate(layers):  # each norm is fused with the residual add before it
+            h, x = ops.add_norm(h, self._attention(layer.self_attn, x, rope, batch, i), layer.post_attention_layernorm)
+            next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.decoder.norm
+            h, x = ops.add_norm(h, ops.mlp(layer.mlp, x), next_norm)
         for cache, n in zip(caches, lengths):
             cache.advance(n)
 
         ends = torch.tensor(lengths).cumsum(0)
         rows = torch.cat([torch.arange(e - n, e) for e, n in zip(ends.tolist(), num_logits)]).long()
-        hidden = _rms_norm(self.decoder.norm, h[rows])  # [R, hidden]
+        hidden = x[rows]  # [R, hidden], final-normed
         return ForwardOutput(logits=self.lm_head(hidden).float(), hidden=hidden)
 
     def _attention(self, attn: torch.nn.Module, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                   caches: Sequence[KVCache], layout: "_PaddedLayout", layer_idx: int) -> torch.Tensor:
-        """Projections over all T tokens; one attention call over the batch padded to # [B, *, n_max/P_max, D]."""
+                   batch: "_Batch", layer_idx: int) -> torch.Tensor:
+        """Projections over all T tokens; one attention call over every request's cache."""
         t = x.shape[0]
         q = attn.q_proj(x).view(t, self.num_heads, self.head_dim)  # [T, H, D]
         k = attn.k_proj(x).view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = attn.v_proj(x).view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        q, k = _apply_rope(q, *rope), _apply_rope(k, *rope)
+        q, k = self.ops.rope(q, rope), self.ops.rope(k, rope)
         keys, values = [], []
-        for cache, start, n in zip(caches, layout.starts, layout.lengths):
+        for cache, start, n in zip(batch.caches, batch.starts, batch.lengths):
             kb, vb = cache.write(layer_idx, k[start:start + n], v[start:start + n])  # [P + n, Hkv, D]
             keys.append(kb)
             values.append(vb)
-        out = F.scaled_dot_product_attention(
-            layout.pad_queries(q).transpose(1, 2),  # [B, H, n_max, D]
-            _pad(keys).transpose(1, 2),  # [B, Hkv, P_max, D]
-            _pad(values).transpose(1, 2),  # [B, Hkv, P_max, D]
-            attn_mask=layout.mask, scale=attn.scaling, enable_gqa=True)  # [B, H, n_max, D]
-        out = layout.unpad(out.transpose(1, 2))  # [T, H, D]
+        out = self.ops.attend(q, keys, values, batch.layout, attn.scaling)  # [T, H, D]
         return attn.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
 
-@dataclass(slots=True)
-class _PaddedLayout:
-    """Where each request's queries sit in the padded attention batch, and its causal mask."""
+class _Batch:
+    """The requests of one forward: their caches, where their tokens sit in the packed # [T]."""
 
-    starts: list[int]  # first packed token of each request
-    lengths: list[int]  # new tokens per request (n_b)
-    rows: torch.Tensor  # [T] row of each packed token in the flattened [B * n_max] padded queries
-    n_max: int
-    mask: torch.Tensor | None  # [B, 1, n_max, P_max] bool: query j of request b sees keys 0..P_b + j;
-    # None for one request with one query (it sees every key)
+    __slots__ = ("caches", "lengths", "starts", "layout")
 
-    @classmethod
-    def of(cls, cached: Sequence[int], lengths: Sequence[int]) -> "_PaddedLayout":
-        n_max = max(lengths)
-        if len(lengths) == 1 and n_max == 1:  # decoding one request: no padding, no causal structure
-            return cls([0], [1], torch.zeros(1, dtype=torch.long), 1, None)
-        starts = torch.tensor([0, *lengths]).cumsum(0)[:-1].tolist()
-        rows = torch.cat([torch.arange(b * n_max, b * n_max + n) for b, n in enumerate(lengths)])
-        p = torch.tensor(cached)[:, None, None]  # [B, 1, 1]
-        n = torch.tensor(lengths)[:, None, None]
-        j = torch.arange(n_max)[None, :, None]  # [1, n_max, 1]
-        t = torch.arange(max(c + q for c, q in zip(cached, lengths)))[None, None, :]  # [1, 1, P_max]
-        # Padding queries (j >= n_b) see all real keys, so no row is fully masked; they are dropped.
-        mask = (t <= p + j) & (t < p + n)
-        return cls(list(starts), list(lengths), rows, n_max, mask[:, None])
-
-    def pad_queries(self, q: torch.Tensor) -> torch.Tensor:
-        """# [T, H, D] -> # [B, n_max, H, D] (a view when there is one request)."""
-        if len(self.lengths) == 1:
-            return q[None]
-        padded = q.new_zeros(len(self.lengths) * self.n_max, *q.shape[1:])
-        padded[self.rows] = q
-        return padded.view(len(self.lengths), self.n_max, *q.shape[1:])
-
-    def unpad(self, out: torch.Tensor) -> torch.Tensor:
-        """# [B, n_max, H, D] -> # [T, H, D]."""
-        if len(self.lengths) == 1:
-            return out[0]
-        return out.reshape(-1, *out.shape[2:])[self.rows]
-
-
-def _pad(per_request: list[torch.Tensor]) -> torch.Tensor:
-    """# B x [P_b, Hkv, D] -> # [B, P_max, Hkv, D]; a single request is a view, not a copy."""
-    return per_request[0][None] if len(per_request) == 1 else pad_sequence(per_request, batch_first=True)
-
-
-def _apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """x: # [T, heads, D]; cos, signed_sin: # [T, 1, D]. transformers' rotate-half convention,
-    x cos + cat(-x2, x1) sin, written as x cos + roll(x, D/2) sin' with sin' = cat(-sin1, sin2)."""
-    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
-
-
-def _rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """transformers' RMSNorm; in float32 the same formula as one fused op (fewer calls per layer)."""
-    if x.dtype != torch.float32 or norm.weight.dtype != torch.float32:
-        return norm(x)  # other dtypes keep transformers' own rounding (upcast, normalise, cast, scale)
-    return F.rms_norm(x, (x.shape[-1],), norm.weight, norm.variance_epsilon)
+    def __init__(self, caches: Sequence[KVCache], lengths: list[int], layout) -> None:
+        self.caches = caches
+        self.lengths = lengths
+        self.starts = [0]
+        for n in lengths[:-1]:
+            self.starts.append(self.starts[-1] + n)
+        self.layout = layout  # what the layer ops' attention needs (padding and mask, or the lengths)

@@ -75,16 +75,14 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x # [..., in_features] -> # [..., out_features] in x's dtype."""
-        rows = x.reshape(-1, self.in_features)  # [T, K]
+        rows = x if x.dim() == 2 else x.reshape(-1, self.in_features)  # [T, K]
         weight = self._by_rows.get(rows.shape[0])
         if weight is None:
             weight = self._by_rows[rows.shape[0]] = self.packed[self.plan.kernel_for(rows.shape[0])]
-        y = weight.matmul(rows)  # [T, N] float32
-        if self.bias is not None:
-            y += self.bias
+        y = weight.matmul(rows, self.bias)  # [T, N] float32
         if y.dtype != x.dtype:
             y = y.to(x.dtype)
-        return y.view(*x.shape[:-1], self.out_features)
+        return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         plan = ", ".join(f"{r}:{k}" for r, k in zip(self.plan.rows, self.plan.kernels))

@@ -1,7 +1,7 @@
 """Quantized matmul kernels: one packed weight per kernel, all with the same call.
 
 Owns: packing a `GGUFWeight` for one of torch's CPU kernels, and running
-`y = x @ W^T` with it: x # [T, K] float32 -> y # [T, N] float32. Each kernel states which
+`y = x @ W^T + b` with it: x # [T, K] float32 -> y # [T, N] float32. Each kernel states which
 GGUF types it holds exactly and what it approximates:
 
 | kernel  | weights                     | activations          | exact for                 | error* |
@@ -62,8 +62,13 @@ class PackedWeight:
     def pack(cls, weight: GGUFWeight) -> PackedWeight:
         raise NotImplementedError
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x # [T, K] float32 -> # [T, N] float32."""
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x # [T, K] float32, bias # [N] float32 or None -> x W^T + bias # [T, N] float32."""
+        y = self._matmul(x)
+        return y if bias is None else y.add_(bias)
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x # [T, K] float32 -> x W^T # [T, N] float32."""
         raise NotImplementedError
 
 
@@ -87,7 +92,7 @@ class Int4Weight(PackedWeight):
         scales_zeros = torch.stack([scales.t(), zeros.t()], dim=-1).to(torch.bfloat16).contiguous()
         return cls(packed, scales_zeros, weight.shape)
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int4pack_mm_for_cpu(
             x.to(torch.bfloat16), self.packed, GROUP, self.scales_zeros).float()
 
@@ -105,7 +110,7 @@ class Int8Weight(PackedWeight):
         codes, scales = int8_rows(weight)
         return cls(codes, scales.to(torch.bfloat16))
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.codes, self.scales).float()
 
 
@@ -126,7 +131,7 @@ class Int8DynamicWeight(PackedWeight):
         del codes  # the quantized tensor holds its own copy; keep the packing peak at two copies
         return cls(torch.ops.quantized.linear_prepack(qweight, None), weight.shape)
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         x = x.float()
         amax = x.abs().amax(dim=1, keepdim=True).clamp_min_(torch.finfo(torch.float32).tiny)  # [T, 1]
         y = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
@@ -141,7 +146,7 @@ class KQuantWeight(PackedWeight):
     def __init__(self, qtype: T, parts: dict[str, torch.Tensor], shape: tuple[int, int]) -> None:
         super().__init__(shape, sum(p.nbytes for p in parts.values()))
         self.qtype = qtype
-        self.parts = parts  # kquant_parts(): codes and scales per 256-element super-block
+        self.parts = tuple(parts.values())  # kquant_parts(): codes and scales per 256-element super-block
         self._op = torch.ops.specav_kquant.q4k_matmul if qtype == T.Q4_K else torch.ops.specav_kquant.q6k_matmul
 
     @classmethod
@@ -155,8 +160,8 @@ class KQuantWeight(PackedWeight):
                              f"{native.unavailable_reason() or 'only Q4_K and Q6_K'}")
         return cls(weight.qtype, kquant_parts(weight), weight.shape)
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return self._op(x.float().contiguous(), *self.parts.values())
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return self._op(x.float().contiguous(), *self.parts, bias)  # the bias is added in the kernel
 
 
 KERNELS: dict[str, type[PackedWeight]] = {

@@ -1,13 +1,16 @@
-"""Native CPU kernels, compiled on first use: AVX2 matmul on GGUF k-quant blocks (kquant.cpp).
+"""Native CPU kernels, compiled on first use: AVX2 matmul on GGUF k-quant blocks (kquant.cpp)
+and the small float32 operations of a decoder layer (layers.cpp).
 
-Owns: building kquant.cpp with torch's C++ extension tools (g++ and ninja) into
-`~/.cache/specav/native/<build key>/` the first time a process needs it (about 30 s; later
-processes load the built library in milliseconds), and saying why when it cannot.
+Owns: building both sources with torch's C++ extension tools (g++ and ninja) into one
+library in `~/.cache/specav/native/<build key>/` the first time a process needs it (about
+40 s; later processes load the built library in milliseconds), and saying why when it cannot.
 
-The ops land in `torch.ops.specav_kquant`: `q4k_matmul`, `q6k_matmul`,
-`quantize_activations`. `available()` is False, with `unavailable_reason()` saying why,
-on CPUs without AVX2/FMA/F16C or where the build fails; the quantized path then uses
-torch's own kernels (quant_kernels.py), so nothing but speed depends on this module.
+The ops land in `torch.ops.specav_kquant` (`q4k_matmul`, `q6k_matmul`,
+`quantize_activations`) and `torch.ops.specav_layers` (`rms_norm`, `add_rms_norm_`,
+`silu_mul`, `rope_`, `attention`). `available()` is False, with `unavailable_reason()`
+saying why, on CPUs without AVX2/FMA/F16C or where the build fails; the quantized path then
+uses torch's own kernels (quant_kernels.py) and the packed forward torch's own ops, so
+nothing but speed depends on this module.
 
 Must not know: GGUF files, modules, which kernel is fastest.
 """
@@ -27,7 +30,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("kquant.cpp")
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("kquant.cpp", "layers.cpp"))
 # -fopenmp: at::parallel_for is inlined from ATen's headers and is OpenMP; without the flag it
 # runs on one thread. The library then needs libgomp.so.1, which torch has already loaded.
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-std=c++17", "-fopenmp"]
@@ -54,7 +57,8 @@ def build_directory() -> Path:
     keyed by the source, flags and torch version (so an edit rebuilds). Not under $SPECAV_CACHE:
     tests point that at temporary folders, and the build should happen once per machine."""
     root = Path(os.environ.get("SPECAV_NATIVE_DIR", Path.home() / ".cache" / "specav" / "native"))
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(_FLAGS).encode() + torch.__version__.encode())
+    key = hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES) + " ".join(_FLAGS).encode()
+                         + torch.__version__.encode())
     return root / key.hexdigest()[:16]
 
 
@@ -62,7 +66,7 @@ def _load() -> tuple[bool, str]:
     missing = [f for f in _REQUIRED_CPU_FLAGS if f not in _cpu_flags()]
     if missing:
         return False, f"this CPU lacks {', '.join(missing)}"
-    if hasattr(torch.ops, "specav_kquant") and hasattr(torch.ops.specav_kquant, "q4k_matmul"):
+    if hasattr(torch.ops.specav_kquant, "q4k_matmul") and hasattr(torch.ops.specav_layers, "attention"):
         return True, ""
     from torch.utils import cpp_extension
 
@@ -75,12 +79,12 @@ def _load() -> tuple[bool, str]:
     if lock.exists() and time.time() - lock.stat().st_mtime > _STALE_LOCK_S:
         lock.unlink(missing_ok=True)
     try:
-        cpp_extension.load(name="specav_kquant", sources=[str(SOURCE)], extra_cflags=_FLAGS,
+        cpp_extension.load(name="specav_native", sources=[str(s) for s in SOURCES], extra_cflags=_FLAGS,
                            extra_ldflags=["-fopenmp"], build_directory=str(directory), is_python_module=False,
                            verbose=False)
     except (RuntimeError, OSError, ImportError, FileNotFoundError) as err:  # no compiler / ninja, build error
-        log.warning("native k-quant kernels unavailable (%s); using torch's kernels", err)
-        return False, f"building {SOURCE.name} failed: {str(err).strip().splitlines()[-1] if str(err) else err!r}"
+        log.warning("native kernels unavailable (%s); using torch's kernels", err)
+        return False, f"building the native kernels failed: {str(err).strip().splitlines()[-1] if str(err) else err!r}"
     return True, ""
 
 

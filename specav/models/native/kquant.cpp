@@ -1,4 +1,4 @@
-// AVX2 matmul on GGUF k-quant blocks as stored: y = x @ W^T with W in Q4_K or Q6_K.
+// AVX2 matmul on GGUF k-quant blocks as stored: y = x @ W^T (+ bias) with W in Q4_K or Q6_K.
 //
 // Decoding one token reads every weight once, so on a CPU it is memory-bound: the kernel
 // reads the file's 4.5 (Q4_K) or 6.6 (Q6_K) bits per weight instead of torch's int8 or
@@ -205,23 +205,29 @@ void with_tile(int64_t tile, const Fn& fn) {
   }
 }
 
-// Runs `row_kernel<R>` for every output feature and every tile of rows, split over features.
+// Runs `row_kernel<R>` for every output feature and every tile of rows, split over features,
+// then adds the bias (if any) to each output.
 template <typename RowFn>
-at::Tensor run_tiles(const at::Tensor& x, int64_t n, const RowFn& row_fn) {
+at::Tensor run_tiles(const at::Tensor& x, int64_t n, const c10::optional<at::Tensor>& bias, const RowFn& row_fn) {
   const int64_t rows = x.size(0);
+  TORCH_CHECK(!bias || (bias->dim() == 1 && bias->size(0) == n && bias->scalar_type() == at::kFloat && bias->is_contiguous()),
+              "bias must be a contiguous float32 vector of the output features");
+  const float* bp = bias ? bias->data_ptr<float>() : nullptr;
   auto y = at::empty({rows, n}, x.options());
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {  // one weight row from memory, then every tile of x against it
       for (int64_t first = 0; first < rows; first += kTile)
         row_fn(i, first, std::min<int64_t>(kTile, rows - first), yp + first * n + i);
+      if (bp)
+        for (int64_t r = 0; r < rows; ++r) yp[r * n + i] += bp[i];
     }
   });
   return y;
 }
 
 at::Tensor q4k_matmul(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& sc, const at::Tensor& mn,
-                      const at::Tensor& d, const at::Tensor& dmin) {
+                      const at::Tensor& d, const at::Tensor& dmin, const c10::optional<at::Tensor>& bias) {
   check_inputs(x, qs, 128);
   const int64_t n = qs.size(0), nb = qs.size(1), k = x.size(1);
   TORCH_CHECK(sc.sizes() == at::IntArrayRef({n, nb, 8}) && mn.sizes() == sc.sizes() && d.sizes() == at::IntArrayRef({n, nb}) &&
@@ -234,7 +240,7 @@ at::Tensor q4k_matmul(const at::Tensor& x, const at::Tensor& qs, const at::Tenso
   const float *dp = d.data_ptr<float>(), *mp2 = dmin.data_ptr<float>(), *xd = a.dx.data_ptr<float>();
   const int8_t* xq = a.xq.data_ptr<int8_t>();
   const int16_t* s16 = a.sum16.data_ptr<int16_t>();
-  return run_tiles(x, n, [&](int64_t i, int64_t first, int64_t tile, float* out) {
+  return run_tiles(x, n, bias, [&](int64_t i, int64_t first, int64_t tile, float* out) {
     const uint8_t *q = qp + i * nb * 128, *s = sp + i * nb * 8, *m = mp + i * nb * 8;
     const float *di = dp + i * nb, *mi = mp2 + i * nb;
     const int8_t* xr = xq + first * k;
@@ -245,7 +251,7 @@ at::Tensor q4k_matmul(const at::Tensor& x, const at::Tensor& qs, const at::Tenso
 }
 
 at::Tensor q6k_matmul(const at::Tensor& x, const at::Tensor& ql, const at::Tensor& qh, const at::Tensor& sc,
-                      const at::Tensor& d) {
+                      const at::Tensor& d, const c10::optional<at::Tensor>& bias) {
   check_inputs(x, ql, 128);
   const int64_t n = ql.size(0), nb = ql.size(1), k = x.size(1);
   TORCH_CHECK(qh.sizes() == at::IntArrayRef({n, nb, 64}) && sc.sizes() == at::IntArrayRef({n, nb, 16}) &&
@@ -258,7 +264,7 @@ at::Tensor q6k_matmul(const at::Tensor& x, const at::Tensor& ql, const at::Tenso
   const float *dp = d.data_ptr<float>(), *xd = a.dx.data_ptr<float>();
   const int8_t* xq = a.xq.data_ptr<int8_t>();
   const int16_t* s16 = a.sum16.data_ptr<int16_t>();
-  return run_tiles(x, n, [&](int64_t i, int64_t first, int64_t tile, float* out) {
+  return run_tiles(x, n, bias, [&](int64_t i, int64_t first, int64_t tile, float* out) {
     const uint8_t *l = lp + i * nb * 128, *h = hp + i * nb * 64;
     const int8_t* s = sp + i * nb * 16;
     const float* di = dp + i * nb;
@@ -280,8 +286,8 @@ std::tuple<at::Tensor, at::Tensor> quantize_activations(const at::Tensor& x) {
 }  // namespace
 
 TORCH_LIBRARY(specav_kquant, m) {
-  m.def("q4k_matmul(Tensor x, Tensor qs, Tensor sc, Tensor mn, Tensor d, Tensor dmin) -> Tensor");
-  m.def("q6k_matmul(Tensor x, Tensor ql, Tensor qh, Tensor sc, Tensor d) -> Tensor");
+  m.def("q4k_matmul(Tensor x, Tensor qs, Tensor sc, Tensor mn, Tensor d, Tensor dmin, Tensor? bias=None) -> Tensor");
+  m.def("q6k_matmul(Tensor x, Tensor ql, Tensor qh, Tensor sc, Tensor d, Tensor? bias=None) -> Tensor");
   m.def("quantize_activations(Tensor x) -> (Tensor, Tensor)");
 }
 
