@@ -132,7 +132,6 @@ def layer_ops_for(dtype: torch.dtype, hidden_act: str, head_dim: int) -> LayerOp
 class _PaddedLayout:
     """Where each request's queries sit in the padded attention batch, and its causal mask."""
 
-    starts: list[int]  # first packed token of each request
     lengths: list[int]  # new tokens per request (n_b)
     rows: torch.Tensor  # [T] row of each packed token in the flattened [B * n_max] padded queries
     n_max: int
@@ -143,8 +142,7 @@ class _PaddedLayout:
     def of(cls, cached: Sequence[int], lengths: Sequence[int]) -> "_PaddedLayout":
         n_max = max(lengths)
         if len(lengths) == 1 and n_max == 1:  # decoding one request: no padding, no causal structure
-            return cls([0], [1], torch.zeros(1, dtype=torch.long), 1, None)
-        starts = torch.tensor([0, *lengths]).cumsum(0)[:-1].tolist()
+            return cls([1], torch.zeros(1, dtype=torch.long), 1, None)
         rows = torch.cat([torch.arange(b * n_max, b * n_max + n) for b, n in enumerate(lengths)])
         p = torch.tensor(cached)[:, None, None]  # [B, 1, 1]
         n = torch.tensor(lengths)[:, None, None]
@@ -152,7 +150,7 @@ class _PaddedLayout:
         t = torch.arange(max(c + q for c, q in zip(cached, lengths)))[None, None, :]  # [1, 1, P_max]
         # Padding queries (j >= n_b) see all real keys, so no row is fully masked; they are dropped.
         mask = (t <= p + j) & (t < p + n)
-        return cls(list(starts), list(lengths), rows, n_max, mask[:, None])
+        return cls(list(lengths), rows, n_max, mask[:, None])
 
     def pad_queries(self, q: torch.Tensor) -> torch.Tensor:
         """# [T, H, D] -> # [B, n_max, H, D] (a view when there is one request)."""
