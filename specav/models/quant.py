@@ -12,7 +12,8 @@ embedding is a `QuantizedEmbedding`; the precision modes behind `--dtype q4` and
   requantising dequantises at most 4096 rows at once. The transient is about three
   copies of the tensor being packed, so the lm_head (the largest) is packed first.
   Measured, packaged pair (target + drafter) in one process: q4 2.32 GiB resident after
-  loading, 2.38 GiB peak; auto 2.86 GiB, 2.94 GiB peak (int8 is larger than int4).
+  loading, 2.38 GiB peak; auto 3.84 GiB, 3.94 GiB peak (kquant and int8dyn copies of the
+  large layers; docs/quantized.md).
 - Activations run in float32 (`ACTIVATION_DTYPE`): on CPUs without native bf16 (AVX2),
   float32 norms, attention and KV caches are faster than bf16, and each kernel converts
   its input to what it needs (bf16 for int4 / int8, int8 for int8dyn). KV caches follow
