@@ -31,6 +31,7 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("kquant.cpp", "layers.cpp"))
+HEADERS = (Path(__file__).with_name("avx2.h"),)  # included by the sources: part of the build key
 # -fopenmp: at::parallel_for is inlined from ATen's headers and is OpenMP; without the flag it
 # runs on one thread. The library then needs libgomp.so.1, which torch has already loaded.
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-std=c++17", "-fopenmp"]
@@ -57,7 +58,7 @@ def build_directory() -> Path:
     keyed by the source, flags and torch version (so an edit rebuilds). Not under $SPECAV_CACHE:
     tests point that at temporary folders, and the build should happen once per machine."""
     root = Path(os.environ.get("SPECAV_NATIVE_DIR", Path.home() / ".cache" / "specav" / "native"))
-    key = hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES) + " ".join(_FLAGS).encode()
+    key = hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES + HEADERS) + " ".join(_FLAGS).encode()
                          + torch.__version__.encode())
     return root / key.hexdigest()[:16]
 

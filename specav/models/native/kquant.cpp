@@ -28,12 +28,16 @@
 
 #include <immintrin.h>
 
+#include "avx2.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
 
 namespace {
+
+using specav_native::hsum;
 
 constexpr int64_t kBlock = 256;  // super-block: one activation scale, one d (and dmin)
 constexpr int kTile = 4;         // rows of x per pass over a weight row
@@ -44,13 +48,6 @@ inline __m256i broadcast_words(__m256i v, int lo_word, int hi_word) {
   const __m128i lo = _mm_set1_epi16(static_cast<short>((2 * lo_word) | ((2 * lo_word + 1) << 8)));
   const __m128i hi = _mm_set1_epi16(static_cast<short>((2 * hi_word) | ((2 * hi_word + 1) << 8)));
   return _mm256_shuffle_epi8(v, _mm256_setr_m128i(lo, hi));
-}
-
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
 }
 
 // Activations of T rows, quantised: xq [T, K] int8, dx [T, K/256] scales, sum16 [T, K/16] int16

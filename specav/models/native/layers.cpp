@@ -23,6 +23,8 @@
 
 #include <immintrin.h>
 
+#include "avx2.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -30,12 +32,7 @@
 
 namespace {
 
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
+using specav_native::hsum;
 
 // e^x, 8 lanes, relative error ~2e-7 (Cephes expf: x = n ln2 + r, |r| <= ln2/2, degree-6
 // polynomial, times 2^n). Inputs are clamped to [-87.3, 88.7], where e^x stays a normal float.
