@@ -35,9 +35,9 @@ namespace {
 using specav_native::hsum;
 
 // e^x, 8 lanes, relative error ~2e-7 (Cephes expf: x = n ln2 + r, |r| <= ln2/2, degree-6
-// polynomial, times 2^n). Inputs are clamped to [-87.3, 88.7], where e^x stays a normal float.
+// polynomial, times 2^n). Inputs are clamped to [-87.3, 88.3], where 2^n and e^x stay normal floats.
 inline __m256 exp8(__m256 x) {
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.7f));
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
   const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);  // ln2 split in two: exact first product
