@@ -7,7 +7,7 @@ kernel profile that `auto` chooses from.
   int4 for the 4-bit types (exact codes), int8 weight-only for the rest.
 - `auto` (`MeasuredChoice`): for each (GGUF type, N x K) met while loading, every kernel
   that can hold the type is timed at 1, 4, 16 and 64 rows (cache-cold, one thread, the
-  kernels taking turns, best of 7). The kernel fastest overall runs every row count,
+  kernels taking turns, best of 7 taken in two passes over the row counts). The kernel fastest overall runs every row count,
   except that one second kernel may take the row counts where it is more than 10% faster
   (a second kernel costs a second packed copy of the layer: kquant for decoding beside
   int8dyn for verification; docs/quantized.md gives the memory). Times are measured once
@@ -46,7 +46,7 @@ from specav.models.quant_formats import GGUFWeight
 from specav.models.quant_kernels import KERNELS, Int4Weight, PackedWeight
 
 ROW_BUCKETS = (1, 4, 16, 64)
-_REPEATS = 7
+_PASSES = (4, 3)  # repeats per pass: 7 samples of each (kernel, rows), in two bursts seconds apart
 _FLUSH_BYTES = 64 << 20  # larger than the last-level cache: timings see weights coming from memory
 
 
@@ -145,26 +145,32 @@ def machine_key() -> str:
 
 def measure(candidates: dict[str, PackedWeight], rows: tuple[int, ...] = ROW_BUCKETS) -> dict[str, list[float]]:
     """Milliseconds of one matmul per kernel at each row count: one thread, caches flushed before
-    each call, the kernels taking turns (so a burst of load elsewhere hits them alike), best of 7."""
+    each call, the kernels taking turns (so a burst of load elsewhere hits them alike), best of 7.
+
+    The 7 samples are taken in two passes over all row counts, so a burst of memory traffic from
+    another process, which slows the memory-bound kernels more than the others, has to last the
+    whole measurement of a shape to change its ranking."""
     shape = next(iter(candidates.values())).shape
     gen = torch.Generator().manual_seed(0)
     small = max(p.nbytes for p in candidates.values()) < _FLUSH_BYTES
     flush = torch.zeros(_FLUSH_BYTES // 4) if small else None
+    inputs = [torch.randn(num_rows, shape[1], generator=gen) for num_rows in rows]  # [T, K] each
     best = {k: [math.inf] * len(rows) for k in candidates}
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        for i, num_rows in enumerate(rows):
-            x = torch.randn(num_rows, shape[1], generator=gen)  # [T, K]
+        for x in inputs:
             for packed in candidates.values():
                 packed.matmul(x)  # warm-up (first-call allocations)
-            for _ in range(_REPEATS):
-                for name, packed in candidates.items():
-                    if flush is not None:
-                        flush.add_(1.0)  # evicts the weight from the caches
-                    start = time.perf_counter()
-                    packed.matmul(x)
-                    best[name][i] = min(best[name][i], time.perf_counter() - start)
+        for repeats in _PASSES:
+            for i, x in enumerate(inputs):
+                for _ in range(repeats):
+                    for name, packed in candidates.items():
+                        if flush is not None:
+                            flush.add_(1.0)  # evicts the weight from the caches
+                        start = time.perf_counter()
+                        packed.matmul(x)
+                        best[name][i] = min(best[name][i], time.perf_counter() - start)
     finally:
         torch.set_num_threads(threads)
     return {k: [round(t * 1e3, 4) for t in v] for k, v in best.items()}
