@@ -7,8 +7,9 @@ kernel profile that `auto` chooses from.
   int4 for the 4-bit types (exact codes), int8 weight-only for the rest.
 - `auto` (`MeasuredChoice`): for each (GGUF type, N x K) met while loading, every kernel
   that can hold the type is timed at 1, 4, 16 and 64 rows (cache-cold, one thread, the
-  kernels taking turns, best of 7 taken in two passes over the row counts). The kernel fastest overall runs every row count,
-  except that one second kernel may take the row counts where it is more than 10% faster
+  kernels taking turns, best of 7 taken in two passes over the row counts). The kernel
+  fastest overall runs every row count, except that one second kernel may take the row
+  counts where it is more than 10% faster
   (a second kernel costs a second packed copy of the layer: kquant for decoding beside
   int8dyn for verification; docs/quantized.md gives the memory). Times are measured once
   per machine and kept in `<cache>/kernel-profile.json` under a key naming the CPU, the

@@ -20,7 +20,7 @@ Draw order (fixed, shared by both implementations so they agree exactly for equa
     1. for b = 0..B-1: k_b uniforms u_1..u_{k_b} from generators[b], one call, float64; uniforms
        past the first rejection are drawn and ignored, so the draw count never depends on the
        outcome;
-    2. for b = 0..B-1: one categorical draw (sampling.categorical: one float64 uniform) from
+    2. for b = 0..B-1: one categorical draw (sampling.sample: one float64 uniform) from
        generators[b], from the recovered distribution or the bonus distribution.
 A request touches only its own generator, so with distinct generators its outcome never
 depends on the other requests in the batch. Requests sharing one generator object draw in the
@@ -48,7 +48,7 @@ from typing import Sequence
 import torch
 
 from specav.types import AcceptResult
-from specav.verification.sampling import categorical
+from specav.verification.sampling import categorical, sample
 
 RESIDUAL_EPS = 1e-6  # residual mass below which the recovered token is drawn from p_i
 
@@ -66,7 +66,7 @@ def rejection_sample(
     uniforms = _draw_uniforms(counts, generators, target_probs.device)  # [S], draw order phase 1
     num_accepted = _count_accepted(draft_token_ids, draft_probs, target_probs, uniforms, layout)  # [B]
     weights = _last_token_weights(draft_probs, target_probs, num_accepted, layout)  # [B, V]
-    last_tokens = [categorical(w, g) for w, g in zip(weights, generators)]
+    last_tokens = sample(weights, generators).tolist()  # draw order phase 2
 
     drafts, starts = draft_token_ids.tolist(), layout.draft_start.tolist()
     output_tokens = [drafts[d:d + n] + [t] for d, n, t in zip(starts, num_accepted.tolist(), last_tokens)]
