@@ -243,6 +243,12 @@ def test_sample_never_draws_a_zero_weight_token_and_matches_a_large_vocabulary()
     assert chisquare(counts, 4000 * np.array([0.1, 0.2, 0.3, 0.4])).pvalue > 1e-3
 
 
+@pytest.mark.parametrize("row", [[0.0, 0.0, 0.0], [0.5, -0.1, 0.6], [0.5, float("nan"), 0.5], [float("inf"), 0.0, 1.0]])
+def test_sample_refuses_rows_that_are_not_distributions(row):
+    with pytest.raises(ValueError, match="non-negative weights with a positive sum"):
+        sample(torch.tensor([[0.2, 0.8, 0.0], row]), [torch.Generator()] * 2)
+
+
 def test_sample_uniform_rounding_up_to_the_total_draws_the_last_token_with_weight(monkeypatch):
     probs = torch.tensor([[0.0, 0.5, 0.5, 0.0], [0.2, 0.0, 0.0, 0.8]])
     monkeypatch.setattr(torch, "rand", lambda *a, **k: torch.ones(1, dtype=torch.float64))  # u * total == total

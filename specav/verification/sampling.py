@@ -80,9 +80,12 @@ def sample(probs: torch.Tensor, generators: Sequence[torch.Generator]) -> torch.
     if not generators:
         return torch.zeros(0, dtype=torch.int64, device=probs.device)
     cdf = probs.double().cumsum(dim=-1)  # [N, V]
+    totals = cdf[:, -1]  # [N]
+    if not (torch.isfinite(totals).all() and (totals > 0).all() and probs.min() >= 0):
+        raise ValueError("sample: every row needs finite, non-negative weights with a positive sum")
     u = torch.cat([torch.rand(1, generator=g, dtype=torch.float64, device=probs.device)
                    for g in generators])  # [N], in row order
-    tokens = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(1)  # [N]
+    tokens = torch.searchsorted(cdf, (u * totals)[:, None], right=True).squeeze(1)  # [N]
     overflow = tokens >= probs.shape[1]  # u * total rounded up to the total: the last token with weight
     if overflow.any():
         last = probs.shape[1] - 1 - (probs.flip(-1) > 0).int().argmax(-1)  # [N]
