@@ -22,9 +22,14 @@ def run_packed(packed, caches, histories, new_tokens, num_logits):
     return out.logits
 
 
-@pytest.mark.parametrize("family", ["qwen2", "llama"])
-# bf16: logits of magnitude ~4 round to 1/32 steps; 0.05 allows about one and a half bf16 ulps.
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 0.05)])
+# Both families, in float32 (native layer ops) and bf16 (torch ops). bf16: logits of magnitude ~4
+# round to 1/32 steps; 0.05 allows about one and a half bf16 ulps.
+FAMILIES = pytest.mark.parametrize("family", ["qwen2", "llama"])
+DTYPES = pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 0.05)])
+
+
+@FAMILIES
+@DTYPES
 def test_packed_matches_transformers_with_rollbacks(family, dtype, tol):
     hf = tiny_hf_model(family, seed=1, dtype=dtype)
     packed = PackedCausalLM(hf)
@@ -55,10 +60,11 @@ def test_packed_matches_transformers_with_rollbacks(family, dtype, tol):
         assert [c.length for c in caches] == [len(h) for h in histories]
 
 
-@pytest.mark.parametrize("family", ["qwen2", "llama"])
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 0.05)])
+@FAMILIES
+@DTYPES
 def test_single_request_paths_match_transformers(family, dtype, tol):
-    """One request alone takes the unpadded path: no mask for one new token, a causal mask for several."""
+    """One request alone: with torch ops the unpadded path (no mask for one new token, a causal
+    mask for several); with native ops the same attention call as for a batch."""
     hf = tiny_hf_model(family, seed=2, dtype=dtype)
     packed = PackedCausalLM(hf)
     gen = torch.Generator().manual_seed(1)
