@@ -95,6 +95,11 @@ class SpeculativeConfig:
         _check(isinstance(self.enable_adaptive_verification, bool), w,
                "enable_adaptive_verification", self.enable_adaptive_verification, "true or false")
 
+    @property
+    def planner(self) -> str:
+        """The planner registry's key (verification.planner.PLANNERS) this config selects."""
+        return "adaptive" if self.enable_adaptive_verification else "static"
+
     @classmethod
     def from_json(cls, text: str | Mapping[str, Any]) -> "SpeculativeConfig":
         if isinstance(text, str):
@@ -133,6 +138,45 @@ class EstimatorConfig:
                "a finite number")
 
 
+@dataclass(frozen=True, slots=True)
+class AdaptiveConfig:
+    """Adaptive verification: how the planner drafts, trims and explores (verification/adaptive.py).
+
+    exploration: probability, per request and step, of drafting its whole block and verifying all
+        of it, drawn from the planner's own generator (never from the drafts), so deep positions
+        keep getting labels while trimming is aggressive. Default 0.02.
+    probe_interval: steps a request that decided not to draft waits before it drafts one slot
+        again to see whether drafting pays now; each probe that does not pay doubles the wait, up
+        to max_probe_interval. Defaults 4 and 32.
+    rate_halflife: steps, half-life of the measured speed-up over target-only decoding that
+        prices a second of compute (the planner's lambda). Default 16.
+    cost_halflife: steps, half-life of the online correction of the profiled cost model (a
+        thermal change or a noisy neighbour is followed within a few half-lives). Default 8.
+    seed: seed of the exploration generator.
+    """
+
+    exploration: float = 0.02
+    probe_interval: int = 4
+    max_probe_interval: int = 32
+    rate_halflife: float = 16.0
+    cost_halflife: float = 8.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        w = "adaptive"
+        _check(isinstance(self.exploration, (int, float)) and 0 <= self.exploration <= 1, w, "exploration",
+               self.exploration, "a probability in [0, 1]")
+        _check(isinstance(self.probe_interval, int) and self.probe_interval >= 1, w, "probe_interval",
+               self.probe_interval, "an integer >= 1")
+        _check(isinstance(self.max_probe_interval, int) and self.max_probe_interval >= self.probe_interval, w,
+               "max_probe_interval", self.max_probe_interval, f"an integer >= probe_interval ({self.probe_interval})")
+        for name in ("rate_halflife", "cost_halflife"):
+            value = getattr(self, name)
+            _check(isinstance(value, (int, float)) and math.isfinite(value) and value > 0, w, name, value,
+                   "a number of steps > 0")
+        _check(isinstance(self.seed, int), w, "seed", self.seed, "an integer")
+
+
 DTYPES = ("bf16", "fp32", "q4", "auto")
 
 
@@ -164,11 +208,12 @@ class ModelConfig:
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
-    """The whole engine: target, speculation, estimator, and batch limits."""
+    """The whole engine: target, speculation, estimator, adaptive verification, and batch limits."""
 
     target: ModelConfig = field(default_factory=ModelConfig)
     speculative: SpeculativeConfig | None = field(default_factory=SpeculativeConfig)
     estimator: EstimatorConfig = field(default_factory=EstimatorConfig)
+    adaptive: AdaptiveConfig = field(default_factory=AdaptiveConfig)
     max_batch_size: int = 16
 
     def __post_init__(self) -> None:

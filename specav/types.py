@@ -10,34 +10,138 @@ Shape letters, used in every `# [..]` comment of the package:
     L   decoder layers
     H   attention heads, Hkv key/value heads, D head dimension
 
-This module owns no logic; it must not import models, servers or samplers.
+This module owns no logic beyond offsets; it must not import models, servers or samplers.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Sequence
 
 import torch
+
+if TYPE_CHECKING:
+    from specav.request import Request
+
+
+@dataclass(frozen=True, slots=True)
+class Ragged:
+    """Per-request counts of a ragged batch flattened request-major, with its offsets computed once.
+
+    Request b owns flat rows [starts[b], starts[b] + counts[b]). Every stage that walks a ragged
+    batch (the drafter's distributions, the admitted slots, the rejection sampler) reads these
+    instead of recomputing cumulative sums.
+    """
+
+    counts: torch.Tensor  # [B] int64
+    starts: torch.Tensor  # [B] int64, first flat row of each request
+    request: torch.Tensor  # [N] int64, the request of each flat row (N = counts.sum())
+    position: torch.Tensor  # [N] int64, 0-based position of each flat row within its request
+
+    @classmethod
+    def of(cls, counts: Sequence[int] | torch.Tensor) -> "Ragged":
+        k = torch.as_tensor(counts, dtype=torch.int64).reshape(-1)
+        starts = torch.cumsum(k, 0) - k
+        request = torch.repeat_interleave(torch.arange(k.shape[0]), k)
+        return cls(k, starts, request, torch.arange(request.shape[0]) - starts[request])
+
+    @property
+    def total(self) -> int:
+        return int(self.request.shape[0])
+
+    def __len__(self) -> int:
+        return int(self.counts.shape[0])
+
+    def prefix_rows(self, lengths: torch.Tensor) -> torch.Tensor:
+        """Flat rows of the first lengths[b] entries of each request, request-major # [sum(lengths)].
+
+        lengths: # [B] int64, each <= counts[b].
+        """
+        lengths = torch.as_tensor(lengths, dtype=torch.int64)
+        return (self.starts[self.request] + self.position)[self.position < lengths[self.request]]
 
 
 @dataclass(slots=True)
 class DraftBatch:
     """What the drafter proposed this step.
 
-    Per-slot scalars are padded to K slots per request (token -1 and NaN features past
-    `num_drafted[b]`); distributions are flattened over the S_d drafted slots, request-major:
-    request b owns rows [offsets[b], offsets[b] + num_drafted[b]).
+    Per-slot scalars are padded to the longest draft of the step (token -1 and NaN features
+    past `num_drafted[b]`); distributions are flattened over the S_d drafted slots,
+    request-major as `layout` says: request b owns rows [layout.starts[b], ... + num_drafted[b]).
     """
 
-    token_ids: torch.Tensor  # [B, K] int64, the draft tokens x_i (-1 = not drafted)
-    num_drafted: torch.Tensor  # [B] int64, slots actually drafted per request (ragged K)
+    token_ids: torch.Tensor  # [B, k_max] int64, the draft tokens x_i (-1 = not drafted)
+    layout: Ragged  # drafted slots per request (ragged K) and their rows in `probs`
     probs: torch.Tensor  # [S_d, V] float32, q_i after temperature / top-k / top-p
-    features: dict[str, torch.Tensor]  # name -> [B, K] float32 (acceptance.features; NaN = not drafted)
+    features: dict[str, torch.Tensor]  # name -> [B, k_max] float32 (acceptance.features; NaN = not drafted)
     hidden: torch.Tensor | None = None  # [S_d, hidden] drafter hidden state per drafted slot, if kept
+    forwards: list[tuple[int, int]] = field(default_factory=list)  # per drafter forward: (tokens fed,
+    #   cached positions attended to), for the cost model
+
+    @property
+    def num_drafted(self) -> torch.Tensor:  # [B] int64
+        return self.layout.counts
 
     @property
     def offsets(self) -> torch.Tensor:  # [B] int64, first row of each request in `probs`
-        return torch.cumsum(self.num_drafted, 0) - self.num_drafted
+        return self.layout.starts
+
+
+@dataclass(frozen=True, slots=True)
+class Scores:
+    """The score stage's output: what the scorer expects of every drafted slot."""
+
+    features: torch.Tensor  # [B, K] the scorer's feature per slot (NaN = not drafted)
+    confidences: torch.Tensor  # [B, K] P(slot i accepted | slots 1..i-1 were); NaN = not drafted
+    survival: torch.Tensor  # [B, K] P(slots 1..i all accepted); NaN = not drafted
+
+    @classmethod
+    def empty(cls, batch: int) -> "Scores":
+        nothing = torch.zeros(batch, 0, dtype=torch.float64)
+        return cls(nothing, nothing, nothing)
+
+
+@dataclass(frozen=True, slots=True)
+class StageTimes:
+    """Seconds one step spent in its stages (measured, or predicted by a cost model)."""
+
+    draft: float
+    verify: float
+    total: float
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """The plan stage's decision: which drafted slots the target verifies, a prefix of each draft.
+
+    Built once per step; the verifier, the rejection sampler and the estimator read it.
+    """
+
+    admitted: Ragged  # admitted slots per request (k_b) and their offsets among the S admitted slots
+    draft_rows: torch.Tensor  # [S] int64, row of each admitted slot in DraftBatch.probs
+    tokens: torch.Tensor  # [S] int64, the admitted draft tokens, request-major
+    predicted: StageTimes | None = None  # the planner's estimate of this step's times (None: no cost model)
+
+    @classmethod
+    def of(cls, drafts: DraftBatch, num_admitted: torch.Tensor, predicted: StageTimes | None = None) -> "Plan":
+        """Admit the first num_admitted[b] drafted slots of each request (# [B] int64)."""
+        num_admitted = torch.as_tensor(num_admitted, dtype=torch.int64)
+        if bool((num_admitted > drafts.num_drafted).any()) or bool((num_admitted < 0).any()):
+            raise ValueError(f"num_admitted {num_admitted.tolist()} must lie in [0, num_drafted] per request "
+                             f"(num_drafted {drafts.num_drafted.tolist()})")
+        admitted = Ragged.of(num_admitted)
+        tokens = drafts.token_ids[admitted.request, admitted.position] if admitted.total else \
+            torch.zeros(0, dtype=torch.int64)
+        return cls(admitted, drafts.layout.prefix_rows(num_admitted), tokens, predicted)
+
+    @property
+    def num_admitted(self) -> torch.Tensor:  # [B] int64
+        return self.admitted.counts
+
+    def token_lists(self) -> list[list[int]]:
+        """Per request, its admitted draft tokens."""
+        flat, starts = self.tokens.tolist(), self.admitted.starts.tolist()
+        return [flat[d:d + k] for d, k in zip(starts, self.admitted.counts.tolist())]
 
 
 @dataclass(slots=True)
@@ -46,3 +150,38 @@ class AcceptResult:
 
     num_accepted: torch.Tensor  # [B] int64, accepted draft tokens per request
     output_tokens: list[list[int]]  # per request: accepted draft tokens + one recovered or bonus token
+
+
+@dataclass(slots=True)
+class StepRecord:
+    """Everything one step decided and measured, for the planner, metrics and labelled-draft logs."""
+
+    step: int
+    requests: list["Request"]
+    drafts: DraftBatch
+    scores: Scores
+    plan: Plan
+    result: AcceptResult
+    times: StageTimes  # measured
+    max_slots: list[int]  # per request, the slots it could have drafted (K, or fewer near max_tokens)
+    verify_tokens: int  # tokens packed into the target's forward (pending tokens + admitted slots)
+    verify_context: int  # cached positions the target's forward attended to, summed over requests
+    prefill_tokens: int = 0  # prompt tokens of requests in their first step (prefilled by this step)
+    emitted: int = 0  # tokens the requests kept (after EOS / max_tokens / stop strings)
+
+    @property
+    def confidences(self) -> torch.Tensor:  # [B, K]
+        return self.scores.confidences
+
+    @property
+    def num_admitted(self) -> torch.Tensor:  # [B]
+        return self.plan.num_admitted
+
+    @property
+    def num_accepted(self) -> torch.Tensor:  # [B]
+        return self.result.num_accepted
+
+    @property
+    def num_skipped(self) -> int:
+        """Requests that could draft but drafted nothing this step (no-draft decisions)."""
+        return sum(1 for m, d in zip(self.max_slots, self.drafts.num_drafted.tolist()) if m > 0 and d == 0)

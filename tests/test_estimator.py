@@ -446,6 +446,7 @@ def test_state_dict_round_trips_exactly():
 def test_make_scorer_prefers_the_drafters_head():
     class Head:
         name = "head"
+        feature = "logit_q_max"
 
         def score(self, features):
             return torch.full_like(features, 0.5)

@@ -16,9 +16,10 @@ import pytest
 from scipy.stats import chisquare
 
 from specav.config import SamplingParams
-from specav.engine.sampling_rows import SamplingRows
-from specav.engine.request import Request
-from specav.verification.planner import Plan
+from specav.verification.sampling_rows import SamplingRows
+from specav.request import Request
+from specav.types import Plan
+from specav.verification.planner import StaticPlanner
 from tests.tiny_models import make_engine, tiny_pair
 
 V = 8
@@ -26,26 +27,26 @@ PROMPT = [3, 5, 2]
 N = 3000
 
 
-class QSampledPlanner:
+class QSampledPlanner(StaticPlanner):
     """LOSSY on purpose: admits slots while the draft token's own probability is high."""
 
     def __init__(self, threshold: float) -> None:
         self.threshold = threshold
 
-    def plan(self, drafts, confidences) -> Plan:
+    def plan(self, drafts, scores, draft_plan) -> Plan:
         ok = (drafts.features["q_sampled"] >= self.threshold).int()  # NaN (undrafted) compares False
-        return Plan(num_admitted=ok.cumprod(1).sum(1))
+        return Plan.of(drafts, ok.cumprod(1).sum(1))
 
 
-class QMaxPlanner:
+class QMaxPlanner(StaticPlanner):
     """Lossless: admits slots while q_max (a function of q_i alone) is high; stops at the first miss."""
 
     def __init__(self, threshold: float) -> None:
         self.threshold = threshold
 
-    def plan(self, drafts, confidences) -> Plan:
+    def plan(self, drafts, scores, draft_plan) -> Plan:
         ok = (drafts.features["q_max"] >= self.threshold).int()
-        return Plan(num_admitted=ok.cumprod(1).sum(1))
+        return Plan.of(drafts, ok.cumprod(1).sum(1))
 
 
 def exact_joint(target, params: SamplingParams) -> np.ndarray:

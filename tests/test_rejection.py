@@ -22,6 +22,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+from specav.types import Ragged
 from specav.verification import rejection
 from specav.verification.rejection import rejection_sample, rejection_sample_reference, residual_probs
 from specav.verification.sampling import processed_probs, sample
@@ -321,8 +322,8 @@ def draft_and_verify(batch: Batch, seed: int, sampler=rejection_sample):
     q, p = torch.cat(batch.q), torch.cat(batch.p)
     drafts = sample(q, [torch.Generator().manual_seed(10**6 + seed)] * q.shape[0])
     generators = [torch.Generator().manual_seed(seed * 7919 + b) for b in range(len(batch.q))]
-    num_admitted = torch.tensor([x.shape[0] for x in batch.q])
-    return drafts, sampler(drafts, q, p, num_admitted, generators)
+    admitted = Ragged.of([x.shape[0] for x in batch.q])
+    return drafts, sampler(drafts, q, p, admitted, generators)
 
 
 def chi2_pvalue(samples: list[Context], expected: Dist) -> float:
@@ -388,10 +389,10 @@ def test_fast_equals_reference_draw_for_draw(params):
 
 def test_fast_equals_reference_when_requests_share_a_generator():
     batch = make_batch([2, 0, 3], seed=2)
-    q, p, num_admitted = torch.cat(batch.q), torch.cat(batch.p), torch.tensor([2, 0, 3])
+    q, p, admitted = torch.cat(batch.q), torch.cat(batch.p), Ragged.of([2, 0, 3])
     for seed in range(100):
         drafts = sample(q, [torch.Generator().manual_seed(seed)] * q.shape[0])
-        results = [fn(drafts, q, p, num_admitted, [torch.Generator().manual_seed(seed)] * 3)
+        results = [fn(drafts, q, p, admitted, [torch.Generator().manual_seed(seed)] * 3)
                    for fn in (rejection_sample, rejection_sample_reference)]
         assert results[0].output_tokens == results[1].output_tokens
 
@@ -400,7 +401,7 @@ def test_a_request_does_not_depend_on_the_rest_of_the_batch():
     mine, others = make_batch([2], seed=3), make_batch([3, 0, 1], seed=4)
     for seed in range(60):
         x = sample(mine.q[0], [torch.Generator().manual_seed(seed)] * 2)
-        alone = rejection_sample(x, mine.q[0], mine.p[0], torch.tensor([2]), [torch.Generator().manual_seed(seed)])
+        alone = rejection_sample(x, mine.q[0], mine.p[0], Ragged.of([2]), [torch.Generator().manual_seed(seed)])
         y = sample(torch.cat(others.q), [torch.Generator().manual_seed(seed + 1)] * 4)
         for position in range(4):  # mine inserted before request `position` of the others
             d = [0, 3, 3, 4][position]  # its first draft row
@@ -410,7 +411,7 @@ def test_a_request_does_not_depend_on_the_rest_of_the_batch():
             counts = [3, 0, 1][:position] + [2] + [3, 0, 1][position:]
             generators = [torch.Generator().manual_seed(1000 + seed * 10 + i) for i in range(4)]
             generators[position] = torch.Generator().manual_seed(seed)
-            result = rejection_sample(drafts, q, p, torch.tensor(counts), generators)
+            result = rejection_sample(drafts, q, p, Ragged.of(counts), generators)
             assert result.output_tokens[position] == alone.output_tokens[0]
 
 
@@ -441,7 +442,7 @@ def test_greedy_accepts_exactly_the_target_argmax(sampler):
         drafter_logits = torch.randn(S, V, generator=g) + 20 * torch.nn.functional.one_hot(drafts, V)
         q, p = greedy_probs(drafter_logits), greedy_probs(target_logits)
         assert torch.equal(sample(q, [g] * S), drafts)
-        result = sampler(drafts, q, p, torch.tensor(num_admitted),
+        result = sampler(drafts, q, p, Ragged.of(num_admitted),
                          [torch.Generator().manual_seed(trial * 10 + b) for b in range(B)])
         for b, (d, k) in enumerate(zip(starts, num_admitted)):
             t = d + b  # first target row of request b
@@ -457,7 +458,7 @@ def test_strict_acceptance_never_keeps_a_token_the_target_excludes(sampler):
     p = torch.tensor([[0.0, 0.5, 0.5, 0.0], [0.25] * 4])
     q = torch.tensor([[0.0, 0.5, 0.5, 0.0]])
     for seed in range(50):
-        result = sampler(torch.tensor([3]), q, p, torch.tensor([1]), [torch.Generator().manual_seed(seed)])
+        result = sampler(torch.tensor([3]), q, p, Ragged.of([1]), [torch.Generator().manual_seed(seed)])
         assert result.num_accepted.tolist() == [0] and result.output_tokens[0][0] in (1, 2)
 
 
@@ -466,7 +467,7 @@ def test_draft_equal_to_target_is_always_accepted(sampler):
     p = torch.softmax(torch.randn(4, 5, generator=torch.Generator().manual_seed(0)), -1)
     drafts = torch.tensor([0, 4, 2])
     for seed in range(50):
-        result = sampler(drafts, p[:3], p, torch.tensor([3]), [torch.Generator().manual_seed(seed)])
+        result = sampler(drafts, p[:3], p, Ragged.of([3]), [torch.Generator().manual_seed(seed)])
         assert result.num_accepted.tolist() == [3]
 
 
@@ -481,7 +482,7 @@ def test_residual_probs_hand_case():
 @SAMPLERS
 def test_all_requests_without_drafts_emit_one_bonus_token(sampler):
     p = torch.eye(4)[[3, 1]]
-    result = sampler(torch.zeros(0, dtype=torch.int64), torch.zeros(0, 4), p, torch.tensor([0, 0]),
+    result = sampler(torch.zeros(0, dtype=torch.int64), torch.zeros(0, 4), p, Ragged.of([0, 0]),
                               [torch.Generator(), torch.Generator()])
     assert result.num_accepted.tolist() == [0, 0] and result.output_tokens == [[3], [1]]
 
@@ -491,8 +492,8 @@ def test_layout_errors_name_the_problem(sampler):
     q, p, g = torch.full((3, 4), 0.25), torch.full((5, 4), 0.25), torch.Generator()
     x = torch.tensor([0, 1, 2])
     with pytest.raises(ValueError, match="S = 2"):
-        sampler(x, q, p, torch.tensor([1, 1]), [g, g])
+        sampler(x, q, p, Ragged.of([1, 1]), [g, g])
     with pytest.raises(ValueError, match="bonus row"):
-        sampler(x, q, p[:4], torch.tensor([2, 1]), [g, g])
+        sampler(x, q, p[:4], Ragged.of([2, 1]), [g, g])
     with pytest.raises(ValueError, match="one per request"):
-        sampler(x, q, p, torch.tensor([2, 1]), [g])
+        sampler(x, q, p, Ragged.of([2, 1]), [g])

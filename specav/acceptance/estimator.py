@@ -119,6 +119,7 @@ class OnlineAcceptanceEstimator:
     """
 
     name = "online_estimator"
+    feature = "logit_q_max"  # the slot feature it reads (lossless: computed from q_i alone)
 
     def __init__(self, num_slots: int, config: EstimatorConfig = EstimatorConfig(),
                  device: torch.device | str = "cpu") -> None:

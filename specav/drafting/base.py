@@ -3,24 +3,40 @@
 Owns: the contract between the engine and any drafter. A drafter proposes up to
 `num_slots[b]` draft tokens for each request, returning for every drafted slot the token,
 its processed distribution q_i and its features, and afterwards keeps its own state in
-sync with what verification kept.
+sync with what verification kept. An autoregressive drafter may stop a request early: after
+each slot it asks a `StopRule` (given by whoever plans the step) which requests go on; the
+rule sees the features of the slot just drafted, never the estimator behind it.
 
-Must not know: the target model, rejection sampling or the planner.
+Must not know: the target model, rejection sampling, the estimator or the planner.
 """
 
 from __future__ import annotations
 
 from typing import Callable, Protocol, Sequence
 
-from specav.engine.request import Request
-from specav.types import AcceptResult, DraftBatch
+import torch
+
+from specav.request import Request
+from specav.types import AcceptResult, DraftBatch, Ragged
+
+
+class StopRule(Protocol):
+    """Decides, slot by slot, which requests keep drafting."""
+
+    def keep_drafting(self, slot: int, rows: Sequence[int], features: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Slot `slot` (0-based) was just drafted for batch rows `rows`, with these features of it
+        (each # [A]); returns which of them draft slot + 1 (# [A] bool). Requests that reached
+        their num_slots stop whatever it says."""
+        ...
 
 
 class Drafter(Protocol):
     name: str
 
-    def propose(self, requests: Sequence[Request], num_slots: Sequence[int]) -> DraftBatch:
-        """Draft up to num_slots[b] tokens for request b (0 = none this step)."""
+    def propose(self, requests: Sequence[Request], num_slots: Sequence[int],
+                stop_rule: StopRule | None = None) -> DraftBatch:
+        """Draft up to num_slots[b] tokens for request b (0 = none this step), stopping a request
+        early where stop_rule says so; DraftBatch.forwards records each forward's shape."""
         ...
 
     def commit(self, requests: Sequence[Request], drafts: DraftBatch, result: AcceptResult) -> None:
@@ -57,11 +73,10 @@ class NoDrafter:
     def __init__(self, vocab_size: int) -> None:
         self.vocab_size = vocab_size
 
-    def propose(self, requests: Sequence[Request], num_slots: Sequence[int]) -> DraftBatch:
-        import torch
-
+    def propose(self, requests: Sequence[Request], num_slots: Sequence[int],
+                stop_rule: StopRule | None = None) -> DraftBatch:
         b = len(requests)
-        return DraftBatch(torch.full((b, 0), -1, dtype=torch.int64), torch.zeros(b, dtype=torch.int64),
+        return DraftBatch(torch.full((b, 0), -1, dtype=torch.int64), Ragged.of([0] * b),
                           torch.zeros(0, self.vocab_size), {})
 
     def commit(self, requests: Sequence[Request], drafts: DraftBatch, result: AcceptResult) -> None:

@@ -23,13 +23,13 @@ from typing import Sequence
 import torch
 
 from specav.acceptance.features import compute_slot_features
-from specav.drafting.base import register
-from specav.engine.request import Request
-from specav.engine.sampling_rows import SamplingRows
+from specav.drafting.base import StopRule, register
 from specav.models.kv_cache import KVCache
 from specav.models.packed import PackedCausalLM
-from specav.types import AcceptResult, DraftBatch
+from specav.request import Request
+from specav.types import AcceptResult, DraftBatch, Ragged
 from specav.verification.sampling import sample
+from specav.verification.sampling_rows import SamplingRows
 
 FEATURE_NAMES = ("logit_q_max", "q_max", "entropy", "top2_margin", "q_sampled", "q_max_truncated")
 
@@ -55,23 +55,29 @@ class DraftModelDrafter:
             self._states[request.request_id] = _State(self.model.new_cache(), list(request.prompt_ids))
         return self._states[request.request_id]
 
-    def propose(self, requests: Sequence[Request], num_slots: Sequence[int]) -> DraftBatch:
+    def propose(self, requests: Sequence[Request], num_slots: Sequence[int],
+                stop_rule: StopRule | None = None) -> DraftBatch:
         b, k = len(requests), max(num_slots, default=0)
         token_ids = torch.full((b, k), -1, dtype=torch.int64)  # [B, K]
         features = {n: torch.full((b, k), float("nan")) for n in FEATURE_NAMES}  # name -> [B, K]
         slot_probs: list[list[torch.Tensor]] = [[] for _ in range(b)]  # per request, its q_i rows
         slot_hidden: list[list[torch.Tensor]] = [[] for _ in range(b)]
         states = [self._state(r) for r in requests]
+        forwards: list[tuple[int, int]] = []
+        active = [i for i in range(b) if num_slots[i] > 0]
         for slot in range(k):
-            active = [i for i in range(b) if num_slots[i] > slot]
+            if not active:
+                break
             feed = [states[i].pending if slot == 0 else [int(token_ids[i, slot - 1])] for i in active]
+            forwards.append((sum(len(f) for f in feed), sum(states[i].cache.length for i in active)))
             out = self.model.forward(feed, [states[i].cache for i in active], [1] * len(active))
             rows = SamplingRows.of([requests[i] for i in active], [1] * len(active))
             probs = rows.probs(out.logits)  # [A, V]
             tokens = sample(probs, rows.generators)  # [A]
             idx = torch.tensor(active)
             token_ids[idx, slot] = tokens
-            for name, value in self._features(rows, out.logits, probs, tokens).items():
+            slot_features = self._features(rows, out.logits, probs, tokens)
+            for name, value in slot_features.items():
                 features[name][idx, slot] = value
             for j, i in enumerate(active):
                 slot_probs[i].append(probs[j])
@@ -79,11 +85,18 @@ class DraftModelDrafter:
                     slot_hidden[i].append(out.hidden[j])
                 if slot == 0:
                     states[i].pending = []
+            keep = [i for i in active if num_slots[i] > slot + 1]
+            if stop_rule is not None and keep:
+                more = stop_rule.keep_drafting(slot, active, slot_features).tolist()
+                keep = [i for i, go in zip(active, more) if go and num_slots[i] > slot + 1]
+            active = keep
         flat = [p for per in slot_probs for p in per]
         flat_hidden = [h for per in slot_hidden for h in per]
-        return DraftBatch(token_ids, (token_ids >= 0).sum(1),
-                          torch.stack(flat) if flat else torch.zeros(0, self.model.vocab_size), features,
-                          torch.stack(flat_hidden) if flat_hidden else None)
+        drafted = [len(per) for per in slot_probs]
+        return DraftBatch(token_ids[:, :max(drafted, default=0)], Ragged.of(drafted),
+                          torch.stack(flat) if flat else torch.zeros(0, self.model.vocab_size),
+                          {n: f[:, :max(drafted, default=0)] for n, f in features.items()},
+                          torch.stack(flat_hidden) if flat_hidden else None, forwards)
 
     def _features(self, rows: SamplingRows, logits: torch.Tensor, probs: torch.Tensor,
                   tokens: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -1,66 +1,88 @@
 """The engine: one step is schedule, draft, score, plan, verify, accept, observe, commit.
 
 Owns: wiring the stages together and the request lifecycle (add, step, finish). Each stage
-lives in its own module; `Engine.step()` only calls them in order.
+lives in its own module; `Engine.step()` only calls them in order:
+
+    schedule   scheduler.py          running requests, topped up from the waiting queue
+    draft      drafting/             up to K slots per request, as far as the planner's stop rule says
+    score      acceptance/scorer.py  confidence and survival of every drafted slot
+    plan       verification/planner  which slots the target verifies (static: all; adaptive: those that pay)
+    verify     target.py             one packed target forward over pending tokens + admitted slots
+    accept     verification/rejection.py   lossless rejection sampling over the ragged batch
+    observe    labels to the scorer, measured times to the planner, the record to listeners
+    commit     caches rolled back past the emitted tokens, finished requests retired
+
+Stage times (StepRecord.times) run from the plan to the observe stage: what the planner
+learns from. The step's whole time, commit included, goes to EngineStats.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
 
-from specav.acceptance.scorer import Scorer, make_scorer
+from specav.acceptance.scorer import Scorer, make_scorer, score_drafts
 from specav.config import EngineConfig, SamplingParams
 from specav.drafting.base import Drafter, NoDrafter, make_drafter
-from specav.engine.request import Request, RequestOutput
 from specav.engine.scheduler import Scheduler
 from specav.engine.stats import EngineStats
 from specav.engine.target import TargetVerifier
 from specav.models.loader import check_same_vocabulary, load_checkpoint
 from specav.models.packed import PackedCausalLM
-from specav.types import AcceptResult, DraftBatch
-from specav.verification.planner import Plan, StaticPlanner
+from specav.request import Request, RequestOutput
+from specav.types import AcceptResult, DraftBatch, Plan, Scores, StageTimes, StepRecord
+from specav.verification.cost_model import CostModel, CostProfile
+from specav.verification.planner import Planner, make_planner
 from specav.verification.rejection import rejection_sample
-
-
-@dataclass(slots=True)
-class StepRecord:
-    """Everything one step decided, for metrics and labelled-draft logs."""
-
-    step: int
-    requests: list[Request]
-    drafts: DraftBatch
-    confidences: torch.Tensor  # [B, K] estimator confidence per slot (NaN = not drafted)
-    num_admitted: torch.Tensor  # [B] int64
-    num_accepted: torch.Tensor  # [B] int64
 
 
 class Engine:
     def __init__(self, target: PackedCausalLM, tokenizer, drafter: Drafter | None,
-                 config: EngineConfig = EngineConfig(), eos_ids: Sequence[int] = ()) -> None:
+                 config: EngineConfig = EngineConfig(), eos_ids: Sequence[int] = (),
+                 planner: Planner | None = None, cost_profile: CostProfile | None = None) -> None:
+        """planner: None builds the one the config names (for "adaptive", from cost_profile, or from
+        a profile measured now when none is given)."""
         spec = config.speculative
-        if spec is not None and spec.enable_adaptive_verification:
-            raise NotImplementedError("enable_adaptive_verification: the adaptive planner is not in this "
-                                      "version yet; set it to false (static K) for now")
         self.config = config
         self.tokenizer = tokenizer
         self.num_slots = spec.num_speculative_tokens if (spec and drafter) else 0
         self.drafter = drafter if self.num_slots else NoDrafter(target.vocab_size)
         self.scorer: Scorer | None = make_scorer(self.num_slots, config.estimator) if self.num_slots else None
-        self.planner = StaticPlanner()
         self.verifier = TargetVerifier(target)
         self.scheduler = Scheduler(config.max_batch_size)
+        self.planner = planner or self._make_planner(cost_profile)
         self.eos_ids = frozenset(eos_ids)
         self.max_positions = target.config.max_position_embeddings
         self.stats = EngineStats(self.num_slots)
         self.step_listeners: list[Callable[[StepRecord], None]] = []
 
+    def _make_planner(self, cost_profile: CostProfile | None) -> Planner:
+        name = self.config.speculative.planner if self.num_slots else "static"
+        if name == "static":
+            return make_planner(name)
+        if cost_profile is None:
+            from specav.engine.profile import measure_profile
+
+            cost_profile = measure_profile(self.verifier, self.drafter, self.max_verify_tokens,
+                                           self.config.max_batch_size, progress=False)
+        cost = CostModel(cost_profile, self.config.adaptive.cost_halflife)
+        return make_planner(name, num_slots=self.num_slots, scorer=self.scorer, cost=cost,
+                            config=self.config.adaptive)
+
+    @property
+    def max_verify_tokens(self) -> int:
+        """The most tokens a decoding step verifies: every request's pending token and K slots."""
+        return self.config.max_batch_size * (self.num_slots + 1)
+
     @classmethod
-    def from_config(cls, config: EngineConfig) -> "Engine":
-        """Load the target (and drafter, if speculative) named by the config."""
+    def from_config(cls, config: EngineConfig, refresh_profile: bool = False) -> "Engine":
+        """Load the target (and drafter, if speculative) named by the config; profile the stages for
+        adaptive verification (cached per machine and models)."""
+        from specav.engine.profile import PROFILE_FILE, load_or_profile, profile_key
+        from specav.models import packaged
+
         if config.target.threads:
             torch.set_num_threads(config.target.threads)
         target = load_checkpoint(config.target.path, config.target.dtype, role="target")
@@ -70,7 +92,15 @@ class Engine:
             check_same_vocabulary(target, draft)
             drafter = make_drafter(config.speculative.method, model=draft.model,
                                    feature_clamp=config.estimator.feature_clamp)
-        return cls(target.model, target.tokenizer, drafter, config, eos_token_ids(target))
+        engine = cls(target.model, target.tokenizer, drafter, config, eos_token_ids(target),
+                     planner=make_planner("static"))
+        if engine.num_slots and config.speculative.planner != "static":
+            models = f"target {config.target.path} | drafter {config.speculative.model} | {config.target.dtype}"
+            profile = load_or_profile(engine.verifier, engine.drafter, profile_key(models),
+                                      packaged.cache_root() / PROFILE_FILE, engine.max_verify_tokens,
+                                      config.max_batch_size, refresh=refresh_profile)
+            engine.planner = engine._make_planner(profile)
+        return engine
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -99,62 +129,83 @@ class Engine:
     # ---- the step -------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        start = time.perf_counter()
         batch = self.scheduler.schedule()
         if not batch:
             return []
-        drafts = self.drafter.propose(batch, self._draft_lengths(batch))
-        confidences = self._score(drafts)
-        plan = self.planner.plan(drafts, confidences)
-        target_probs = self.verifier.verify(batch, plan.admitted_tokens(drafts))
+        clock = _Clock()
+        shapes, max_slots = self.verifier.shapes(batch), self._max_slots(batch)
+        draft_plan = self.planner.draft_plan(batch, max_slots, shapes)
+        drafts = self.drafter.propose(batch, draft_plan.num_slots, draft_plan.stop_rule)
+        clock.lap("draft")
+        scores = self._score(drafts)
+        plan = self.planner.plan(drafts, scores, draft_plan)
+        clock.lap()
+        target_probs = self.verifier.verify(batch, plan.token_lists())
+        clock.lap("verify")
         result = self._accept(batch, drafts, plan, target_probs)
-        self._observe(batch, drafts, confidences, plan, result)
-        return self._commit(batch, drafts, plan, result, time.perf_counter() - start)
+        record = StepRecord(self.stats.steps, batch, drafts, scores, plan, result, clock.times(), max_slots,
+                            sum(s.pending for s in shapes) + plan.admitted.total, sum(s.context for s in shapes),
+                            sum(s.pending for s, r in zip(shapes, batch) if not r.output_ids))
+        self._observe(record)
+        return self._commit(record, clock)
 
-    def _draft_lengths(self, batch: Sequence[Request]) -> list[int]:
+    def _max_slots(self, batch: Sequence[Request]) -> list[int]:
         """K per request, never more than it can still emit (each step also emits one token)."""
         return [max(0, min(self.num_slots, r.remaining - 1)) for r in batch]
 
-    def _feature(self, drafts: DraftBatch) -> torch.Tensor:
-        """The scorer's feature, logit(q_max), padded with NaN to K slots # [B, K]."""
-        f = drafts.features.get("logit_q_max", torch.zeros(len(drafts.num_drafted), 0))
-        return torch.nn.functional.pad(f, (0, self.num_slots - f.shape[1]), value=float("nan"))
-
-    def _score(self, drafts: DraftBatch) -> torch.Tensor:
+    def _score(self, drafts: DraftBatch) -> Scores:
         if self.scorer is None:
-            return torch.zeros(len(drafts.num_drafted), 0)
-        return self.scorer.score(self._feature(drafts))
+            return Scores.empty(len(drafts.layout))
+        return score_drafts(self.scorer, drafts, self.num_slots)
 
     def _accept(self, batch: Sequence[Request], drafts: DraftBatch, plan: Plan,
                 target_probs: torch.Tensor) -> AcceptResult:
-        tokens = torch.tensor([t for row in plan.admitted_tokens(drafts) for t in row], dtype=torch.int64)
-        return rejection_sample(tokens, drafts.probs[plan.admitted_rows(drafts)], target_probs,
-                                plan.num_admitted, [r.generator for r in batch])
+        return rejection_sample(plan.tokens, drafts.probs[plan.draft_rows], target_probs, plan.admitted,
+                                [r.generator for r in batch])
 
-    def _observe(self, batch: list[Request], drafts: DraftBatch, confidences: torch.Tensor, plan: Plan,
-                 result: AcceptResult) -> None:
+    def _observe(self, record: StepRecord) -> None:
         if self.scorer is not None:
-            self.scorer.observe(self._feature(drafts), plan.num_admitted, result.num_accepted)
-        record = StepRecord(self.stats.steps, batch, drafts, confidences, plan.num_admitted, result.num_accepted)
+            self.scorer.observe(record.scores.features, record.num_admitted, record.num_accepted)
+        self.planner.observe(record)
         for listener in self.step_listeners:
             listener(record)
 
-    def _commit(self, batch: list[Request], drafts: DraftBatch, plan: Plan, result: AcceptResult,
-                seconds: float) -> list[RequestOutput]:
-        self.verifier.commit(batch, plan.num_admitted.tolist(), result)
-        self.drafter.commit(batch, drafts, result)
-        outputs, emitted = [], 0
+    def _commit(self, record: StepRecord, clock: "_Clock") -> list[RequestOutput]:
+        batch, result = record.requests, record.result
+        self.verifier.commit(batch, record.num_admitted.tolist(), result)
+        self.drafter.commit(batch, record.drafts, result)
+        outputs = []
         for request, tokens in zip(batch, result.output_tokens):
             kept = request.append(tokens, self.eos_ids)
-            emitted += len(kept)
+            record.emitted += len(kept)
             request.update_text(self.tokenizer.decode(request.output_ids, skip_special_tokens=True))
             outputs.append(RequestOutput(request.request_id, kept, request.text, request.finished,
                                          request.finish_reason))
         for request in self.scheduler.retire():
             self.verifier.release(request)
             self.drafter.release(request)
-        self.stats.record(drafts.num_drafted, plan.num_admitted, result.num_accepted, emitted, seconds)
+            self.planner.release(request)
+        self.stats.record(record, clock.times().total)
         return outputs
+
+
+class _Clock:
+    """Stage times of one step: lap(stage) adds the seconds since the last lap to that stage."""
+
+    __slots__ = ("start", "last", "stages")
+
+    def __init__(self) -> None:
+        self.start = self.last = time.perf_counter()
+        self.stages = {"draft": 0.0, "verify": 0.0}
+
+    def lap(self, stage: str | None = None) -> None:
+        now = time.perf_counter()
+        if stage is not None:
+            self.stages[stage] += now - self.last
+        self.last = now
+
+    def times(self) -> StageTimes:
+        return StageTimes(self.stages["draft"], self.stages["verify"], time.perf_counter() - self.start)
 
 
 def eos_token_ids(checkpoint) -> list[int]:

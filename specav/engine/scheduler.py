@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from specav.engine.request import Request
+from specav.request import Request
 
 
 class Scheduler:

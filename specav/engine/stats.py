@@ -1,6 +1,6 @@
-"""Counters an engine keeps across steps: acceptance per position, lengths, throughput.
+"""Counters an engine keeps across steps: acceptance per position, slots, prefill and decode speed.
 
-Owns: aggregation of step outcomes into the figures `specav generate` prints and the
+Owns: aggregation of step records into the figures `specav generate` prints and the
 benchmarks report. Must not know models or sampling.
 """
 
@@ -10,17 +10,26 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specav.types import StepRecord
+
 
 @dataclass(slots=True)
 class EngineStats:
     num_slots: int
     steps: int = 0  # engine steps
-    request_steps: int = 0  # (request, step) pairs that verified at least the bonus token
+    request_steps: int = 0  # (request, step) pairs: each verifies at least the bonus token
     emitted_tokens: int = 0
-    drafted: int = 0
-    admitted: int = 0
-    accepted: int = 0
+    drafted: int = 0  # slots drafted
+    admitted: int = 0  # of those, verified
+    accepted: int = 0  # of those, kept
+    skipped: int = 0  # (request, step) pairs that could draft but did not (the no-draft decision)
     seconds: float = 0.0
+    prefill_steps: int = 0  # steps that prefilled at least one new request's prompt
+    prefill_tokens: int = 0  # prompt tokens prefilled
+    prefill_seconds: float = 0.0
+    prefill_emitted: int = 0  # tokens emitted by prefill steps
+    predicted_seconds: float = 0.0  # the planner's prediction of the steps it predicted
+    predicted_measured_seconds: float = 0.0  # what those steps measured (same stages)
     reached: torch.Tensor = field(init=False)  # [K] slots verified with all earlier slots accepted
     accepted_at: torch.Tensor = field(init=False)  # [K] of those, accepted
 
@@ -28,21 +37,35 @@ class EngineStats:
         self.reached = torch.zeros(self.num_slots, dtype=torch.int64)
         self.accepted_at = torch.zeros(self.num_slots, dtype=torch.int64)
 
-    def record(self, num_drafted: torch.Tensor, num_admitted: torch.Tensor, num_accepted: torch.Tensor,
-               emitted: int, seconds: float) -> None:
-        """num_drafted, num_admitted, num_accepted: # [B] int64."""
+    def record(self, record: StepRecord, seconds: float) -> None:
+        """One step; seconds: its whole time, commit included."""
+        num_admitted, num_accepted = record.num_admitted, record.num_accepted
         self.steps += 1
-        self.request_steps += int(num_admitted.numel())
-        self.emitted_tokens += emitted
-        self.drafted += int(num_drafted.sum())
+        self.request_steps += len(record.requests)
+        self.emitted_tokens += record.emitted
+        self.drafted += int(record.drafts.num_drafted.sum())
         self.admitted += int(num_admitted.sum())
         self.accepted += int(num_accepted.sum())
+        self.skipped += record.num_skipped
         self.seconds += seconds
+        if record.prefill_tokens:
+            self.prefill_steps += 1
+            self.prefill_tokens += record.prefill_tokens
+            self.prefill_seconds += seconds
+            self.prefill_emitted += record.emitted
+        if record.plan.predicted is not None:
+            self.predicted_seconds += record.plan.predicted.total
+            self.predicted_measured_seconds += record.times.total
         pos = torch.arange(1, self.num_slots + 1)  # [K]
         # slot i was reached if it was admitted and slots 1..i-1 were accepted
         reached = (pos[None, :] <= num_admitted[:, None]) & (pos[None, :] <= num_accepted[:, None] + 1)
         self.reached += reached.sum(0)
         self.accepted_at += (pos[None, :] <= num_accepted[:, None]).sum(0)
+
+    @property
+    def trimmed(self) -> int:
+        """Drafted slots the planner did not verify."""
+        return self.drafted - self.admitted
 
     @property
     def acceptance_per_position(self) -> list[float]:
@@ -57,8 +80,25 @@ class EngineStats:
     def tokens_per_second(self) -> float:
         return self.emitted_tokens / self.seconds if self.seconds else float("nan")
 
+    @property
+    def decode_tokens_per_second(self) -> float:
+        """Tokens per second of the steps that prefilled nothing."""
+        seconds = self.seconds - self.prefill_seconds
+        return (self.emitted_tokens - self.prefill_emitted) / seconds if seconds > 0 else float("nan")
+
+    @property
+    def prefill_tokens_per_second(self) -> float:
+        return self.prefill_tokens / self.prefill_seconds if self.prefill_seconds else float("nan")
+
     def summary(self) -> str:
         per_pos = " ".join(f"{x:.2f}" for x in self.acceptance_per_position)
-        return (f"{self.emitted_tokens} tokens in {self.seconds:.2f} s ({self.tokens_per_second:.2f} tokens/s), "
-                f"{self.steps} steps, mean acceptance length {self.mean_acceptance_length:.2f}, "
-                f"acceptance per position [{per_pos}]")
+        text = (f"{self.emitted_tokens} tokens in {self.seconds:.2f} s: prefill {self.prefill_tokens} tokens "
+                f"{self.prefill_tokens_per_second:.1f} tokens/s, decode {self.decode_tokens_per_second:.2f} tokens/s; "
+                f"{self.steps} steps, mean acceptance length {self.mean_acceptance_length:.2f}")
+        if self.num_slots:
+            text += (f", slots drafted {self.drafted} admitted {self.admitted} trimmed {self.trimmed} "
+                     f"accepted {self.accepted}, drafting skipped {self.skipped}x, "
+                     f"acceptance per position [{per_pos}]")
+        if self.predicted_seconds:
+            text += f", step time predicted/measured {self.predicted_seconds / self.predicted_measured_seconds:.2f}"
+        return text

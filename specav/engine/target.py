@@ -21,11 +21,12 @@ from typing import Sequence
 
 import torch
 
-from specav.engine.request import Request
-from specav.engine.sampling_rows import SamplingRows
+from specav.request import Request
+from specav.verification.sampling_rows import SamplingRows
 from specav.models.kv_cache import KVCache
 from specav.models.packed import PackedCausalLM
 from specav.types import AcceptResult
+from specav.verification.planner import TargetShape
 
 
 @dataclass(slots=True)
@@ -43,6 +44,11 @@ class TargetVerifier:
         if request.request_id not in self._states:
             self._states[request.request_id] = _State(self.model.new_cache(), list(request.prompt_ids))
         return self._states[request.request_id]
+
+    def shapes(self, requests: Sequence[Request]) -> list[TargetShape]:
+        """Per request, what verifying it costs before any slot: pending tokens and cached positions."""
+        states = [self._state(r) for r in requests]
+        return [TargetShape(len(s.pending), s.cache.length) for s in states]
 
     def verify(self, requests: Sequence[Request], admitted: Sequence[list[int]]) -> torch.Tensor:
         """admitted[b]: request b's admitted draft tokens. Returns p # [S + B, V]: per request,

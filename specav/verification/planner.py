@@ -1,37 +1,104 @@
-"""The plan stage: how many of each request's drafted slots the target verifies.
+"""The plan stage's contract: how far each request drafts, and which drafted slots the target verifies.
 
-Owns: the admission decision. The static planner admits every drafted slot (classic
-speculative decoding with a fixed K). An adaptive planner would trim by survival under a
-budget; whatever it does, it must obey the lossless rules of architecture.md: whether slot
-i is admitted may not depend on x_i or on anything computed from it.
+Owns: the `Planner` protocol, the registry the engine picks a planner from by config
+(`SpeculativeConfig.planner`: "static" or "adaptive"), the `DraftPlan` a planner hands the
+drafter, and the static planner (classic speculative decoding with a fixed K).
 
-Must not know: models, requests or the rejection sampler.
+A planner makes three decisions per step, in this order, and every one of them must obey the
+lossless rules of architecture.md (whether slot i is drafted or admitted may depend on
+q_1..q_i, x_1..x_{i-1} of its request, anything of other requests and of earlier steps, and
+never on x_i or on anything computed from it):
+
+    draft_plan   before drafting: the most slots each request may draft (0 = it does not draft
+                 this step) and a stop rule the drafter consults after every slot
+    plan         after scoring: how many of each request's drafted slots are admitted (a prefix)
+    observe      after the step: what was measured (times, outcomes), for the next decisions
+
+Must not know: models, the rejection sampler, the server.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import Callable, Protocol, Sequence
 
 import torch
 
-from specav.types import DraftBatch
+from specav.drafting.base import StopRule
+from specav.request import Request
+from specav.types import DraftBatch, Plan, Scores, StepRecord
 
 
-@dataclass(slots=True)
-class Plan:
-    num_admitted: torch.Tensor  # [B] int64, admitted slots per request (a prefix of its drafted slots)
+@dataclass(frozen=True, slots=True)
+class DraftPlan:
+    """What the planner decided before drafting."""
 
-    def admitted_tokens(self, drafts: DraftBatch) -> list[list[int]]:
-        return [drafts.token_ids[b, :k].tolist() for b, k in enumerate(self.num_admitted.tolist())]
+    num_slots: list[int]  # per request, the most slots it may draft this step (0: no draft)
+    stop_rule: StopRule | None = None  # None: every request drafts num_slots[b] slots
+    explore: torch.Tensor | None = None  # [B] bool, requests that draft and verify their whole block
+    price: float = math.nan  # tokens per second a second of compute must buy (the planner's lambda)
+    pending_tokens: int = 0  # tokens the target verifies before any slot is admitted (pending tokens)
+    context: int = 0  # cached positions of the batch's requests in the target, summed
 
-    def admitted_rows(self, drafts: DraftBatch) -> torch.Tensor:
-        """Indices into drafts.probs of the admitted slots, request-major # [S]."""
-        rows = [torch.arange(o, o + k) for o, k in zip(drafts.offsets.tolist(), self.num_admitted.tolist())]
-        return torch.cat(rows) if rows else torch.zeros(0, dtype=torch.int64)
+
+@dataclass(frozen=True, slots=True)
+class TargetShape:
+    """What verifying a request costs before any slot is added: its pending tokens and cached positions."""
+
+    pending: int
+    context: int
 
 
+class Planner(Protocol):
+    name: str
+    uses_confidences: bool  # True: it trims on the scorer's confidences, which must then be lossless
+
+    def draft_plan(self, requests: Sequence[Request], max_slots: Sequence[int],
+                   shapes: Sequence[TargetShape]) -> DraftPlan: ...
+
+    def plan(self, drafts: DraftBatch, scores: Scores, draft_plan: DraftPlan) -> Plan: ...
+
+    def observe(self, record: StepRecord) -> None: ...
+
+    def release(self, request: Request) -> None: ...
+
+
+PLANNERS: dict[str, Callable[..., Planner]] = {}
+
+
+def register(name: str):
+    def wrap(factory):
+        PLANNERS[name] = factory
+        return factory
+    return wrap
+
+
+def make_planner(name: str, **kwargs) -> Planner:
+    if name not in PLANNERS:
+        raise ValueError(f"unknown planner {name!r}; available: {sorted(PLANNERS)}")
+    return PLANNERS[name](**kwargs)
+
+
+@register("static")
 class StaticPlanner:
-    """Admit every drafted slot."""
+    """Classic speculative decoding: every request drafts K slots (fewer near max_tokens), all verified."""
 
-    def plan(self, drafts: DraftBatch, confidences: torch.Tensor) -> Plan:
-        return Plan(num_admitted=drafts.num_drafted.clone())
+    name = "static"
+    uses_confidences = False
+
+    def __init__(self, **_: object) -> None:
+        pass
+
+    def draft_plan(self, requests: Sequence[Request], max_slots: Sequence[int],
+                   shapes: Sequence[TargetShape]) -> DraftPlan:
+        return DraftPlan(list(max_slots))
+
+    def plan(self, drafts: DraftBatch, scores: Scores, draft_plan: DraftPlan) -> Plan:
+        return Plan.of(drafts, drafts.num_drafted)
+
+    def observe(self, record: StepRecord) -> None:
+        pass
+
+    def release(self, request: Request) -> None:
+        pass

@@ -42,12 +42,11 @@ planner. It never touches the global RNG.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
-from specav.types import AcceptResult
+from specav.types import AcceptResult, Ragged
 from specav.verification.sampling import categorical, sample
 
 RESIDUAL_EPS = 1e-6  # residual mass below which the recovered token is drawn from p_i
@@ -57,61 +56,46 @@ def rejection_sample(
     draft_token_ids: torch.Tensor,  # [S] int64, admitted draft tokens of all requests, concatenated
     draft_probs: torch.Tensor,  # [S, V] q_i of those slots (processed)
     target_probs: torch.Tensor,  # [S + B, V] p_i (processed); request b: k_b slot rows, then its bonus row
-    num_admitted: torch.Tensor,  # [B] int64, k_b, may contain zeros
+    admitted: Ragged,  # k_b admitted slots per request (may be 0) and their offsets d_b
     generators: Sequence[torch.Generator],  # [B], one per request
 ) -> AcceptResult:
     """Vectorised rejection sampling of a ragged batch (see the module docstring for the rule)."""
-    counts = _check_inputs(draft_token_ids, draft_probs, target_probs, num_admitted, generators)
-    layout = _Layout.of(counts, target_probs.device)
-    uniforms = _draw_uniforms(counts, generators, target_probs.device)  # [S], draw order phase 1
-    num_accepted = _count_accepted(draft_token_ids, draft_probs, target_probs, uniforms, layout)  # [B]
-    weights = _last_token_weights(draft_probs, target_probs, num_accepted, layout)  # [B, V]
+    counts = _check_inputs(draft_token_ids, draft_probs, target_probs, admitted, generators)
+    device = target_probs.device
+    uniforms = _draw_uniforms(counts, generators, device)  # [S], draw order phase 1
+    num_accepted = _count_accepted(draft_token_ids, draft_probs, target_probs, uniforms, admitted)  # [B]
+    weights = _last_token_weights(draft_probs, target_probs, num_accepted, admitted)  # [B, V]
     last_tokens = sample(weights, generators).tolist()  # draw order phase 2
 
-    drafts, starts = draft_token_ids.tolist(), layout.draft_start.tolist()
+    drafts, starts = draft_token_ids.tolist(), admitted.starts.tolist()
     output_tokens = [drafts[d:d + n] + [t] for d, n, t in zip(starts, num_accepted.tolist(), last_tokens)]
     return AcceptResult(num_accepted=num_accepted, output_tokens=output_tokens)
 
 
-@dataclass(frozen=True, slots=True)
-class _Layout:
-    """Cumulative offsets of a ragged batch."""
-
-    num_admitted: torch.Tensor  # [B] int64, k_b
-    draft_start: torch.Tensor  # [B] d_b, first draft row of request b
-    target_start: torch.Tensor  # [B] d_b + b, first target row of request b
-    request: torch.Tensor  # [S] request of each slot
-    position: torch.Tensor  # [S] 0-based slot index within its request
-
-    @classmethod
-    def of(cls, counts: list[int], device: torch.device) -> "_Layout":
-        k = torch.tensor(counts, dtype=torch.int64, device=device)
-        draft_start = torch.cumsum(k, 0) - k
-        request = torch.tensor([b for b, n in enumerate(counts) for _ in range(n)],
-                               dtype=torch.int64, device=device)
-        position = torch.arange(request.shape[0], device=device) - draft_start[request]
-        return cls(k, draft_start, draft_start + torch.arange(len(counts), device=device), request, position)
-
-
 def _count_accepted(draft_token_ids: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor,
-                    uniforms: torch.Tensor, layout: _Layout) -> torch.Tensor:
+                    uniforms: torch.Tensor, admitted: Ragged) -> torch.Tensor:
     """Accepted draft tokens per request (# [B]): the index of its first rejected slot, else k_b."""
-    slot = torch.arange(draft_token_ids.shape[0], device=target_probs.device)  # [S]
-    x = draft_token_ids.to(device=target_probs.device, dtype=torch.int64)[:, None]  # [S, 1]
-    p_x = target_probs[slot + layout.request].gather(1, x).squeeze(1).double()  # [S]
+    device = target_probs.device
+    request, position = admitted.request.to(device), admitted.position.to(device)  # [S] each
+    slot = torch.arange(draft_token_ids.shape[0], device=device)  # [S]
+    x = draft_token_ids.to(device=device, dtype=torch.int64)[:, None]  # [S, 1]
+    p_x = target_probs[slot + request].gather(1, x).squeeze(1).double()  # [S]: slot s of request b is row s + b
     q_x = draft_probs.gather(1, x).squeeze(1).double()  # [S]
     rejected = ~(uniforms * q_x < p_x)  # [S]
-    return layout.num_admitted.clone().scatter_reduce_(
-        0, layout.request[rejected], layout.position[rejected], reduce="amin")
+    return admitted.counts.to(device).clone().scatter_reduce_(0, request[rejected], position[rejected],
+                                                              reduce="amin")
 
 
 def _last_token_weights(draft_probs: torch.Tensor, target_probs: torch.Tensor, num_accepted: torch.Tensor,
-                        layout: _Layout) -> torch.Tensor:
+                        admitted: Ragged) -> torch.Tensor:
     """Per request, the unnormalised distribution of its recovered or bonus token (# [B, V])."""
-    rejected = num_accepted < layout.num_admitted  # [B]
-    p_last = target_probs[layout.target_start + num_accepted]  # [B, V] p at the stop row
+    device = target_probs.device
+    starts = admitted.starts.to(device)  # [B] d_b
+    rejected = num_accepted < admitted.counts.to(device)  # [B]
+    target_start = starts + torch.arange(len(admitted), device=device)  # [B] d_b + b
+    p_last = target_probs[target_start + num_accepted]  # [B, V] p at the stop row
     q_last = torch.zeros_like(p_last)  # [B, V] q at the rejected slot (zero where none)
-    q_last[rejected] = draft_probs[(layout.draft_start + num_accepted)[rejected]]
+    q_last[rejected] = draft_probs[(starts + num_accepted)[rejected]]
     return torch.where(rejected[:, None], _residual_weights(p_last, q_last), p_last)
 
 
@@ -119,11 +103,11 @@ def rejection_sample_reference(
     draft_token_ids: torch.Tensor,  # [S] int64
     draft_probs: torch.Tensor,  # [S, V]
     target_probs: torch.Tensor,  # [S + B, V]
-    num_admitted: torch.Tensor,  # [B] int64
+    admitted: Ragged,  # k_b per request
     generators: Sequence[torch.Generator],  # [B]
 ) -> AcceptResult:
     """Plain per-request, per-slot loop; same rule and draw order as `rejection_sample`."""
-    counts = _check_inputs(draft_token_ids, draft_probs, target_probs, num_admitted, generators)
+    counts = _check_inputs(draft_token_ids, draft_probs, target_probs, admitted, generators)
     uniforms = [torch.rand(k, generator=g, dtype=torch.float64, device=target_probs.device)
                 for k, g in zip(counts, generators)]  # draw order, phase 1
     num_accepted, output_tokens = [], []
@@ -174,14 +158,14 @@ def _draw_uniforms(counts: list[int], generators: Sequence[torch.Generator],
 
 
 def _check_inputs(draft_token_ids: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor,
-                  num_admitted: torch.Tensor, generators: Sequence[torch.Generator]) -> list[int]:
-    """Validate the ragged layout; return num_admitted as a list of ints."""
-    counts = [int(k) for k in num_admitted.tolist()]
+                  admitted: Ragged, generators: Sequence[torch.Generator]) -> list[int]:
+    """Validate the ragged layout; return the admitted counts as a list of ints."""
+    counts = [int(k) for k in admitted.counts.tolist()]
     B, S = len(counts), sum(counts)
     if any(k < 0 for k in counts):
-        raise ValueError(f"num_admitted must be >= 0, got {counts}")
+        raise ValueError(f"admitted counts must be >= 0, got {counts}")
     if draft_token_ids.shape != (S,) or draft_probs.shape[0] != S:
-        raise ValueError(f"num_admitted sums to S = {S}, but draft_token_ids has shape "
+        raise ValueError(f"the admitted counts sum to S = {S}, but draft_token_ids has shape "
                          f"{tuple(draft_token_ids.shape)} and draft_probs {tuple(draft_probs.shape)}; "
                          "both need S rows")
     if target_probs.shape[0] != S + B or target_probs.shape[1:] != draft_probs.shape[1:]:

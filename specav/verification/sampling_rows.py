@@ -1,7 +1,8 @@
 """Per-row sampling parameters for a batch of requests (the bridge from requests to sampling.py).
 
 Owns: expanding each request's SamplingParams and generator to the rows it owns in a
-flattened [N, V] batch. Must not know models or verification rules.
+flattened [N, V] batch, for the drafter (q_i) and the verifier (p_i) alike. Must not know
+models or verification rules.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from typing import Sequence
 
 import torch
 
-from specav.engine.request import Request
+from specav.request import Request
 from specav.verification.sampling import processed_probs, temperature_logits
 
 

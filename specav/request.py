@@ -1,5 +1,8 @@
 """Requests: what a caller asked for and what has been generated so far.
 
+A neutral module: the engine, the drafters and the verifier all read requests, so the type
+lives below all of them (drafting must not import the engine it serves).
+
 Owns: a request's prompt, sampling parameters, its own random generator (seeded per
 request so its output never depends on what else is in the batch), its output tokens,
 and the stop rules (EOS, stop strings, max_tokens).

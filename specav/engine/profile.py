@@ -1,0 +1,171 @@
+"""The start-up cost profile: how long the draft and verify stages take on this machine.
+
+Owns: measuring the two stages through the stages themselves (the drafter's `propose` for one
+slot of A requests, the verifier's `verify` of T tokens), each at a grid of sizes on a short
+context and once on a longer one (the per-cached-position term), and caching the result per
+machine (CPU model and flags, torch, native kernel build), models, dtype and threads in
+`<cache>/cost-profile.json`. `specav profile` prints it. The cost model
+(verification/cost_model.py) turns the profile into predictions and corrects it online.
+
+Must not know: the planner's rules, the estimator, the server.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from specav.config import SamplingParams
+from specav.drafting.base import Drafter
+from specav.engine.target import TargetVerifier
+from specav.request import Request
+from specav.types import AcceptResult
+from specav.verification.cost_model import CostCurve, CostProfile
+
+PROFILE_FILE = "cost-profile.json"
+VERIFY_TOKENS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 64)  # past 64 the curve extends linearly
+DRAFT_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+SHORT_CONTEXT, LONG_CONTEXT = 64, 576
+REPEATS = 3
+_PARAMS = SamplingParams(temperature=0.7, top_k=20, top_p=0.8, max_tokens=1 << 20)  # the usual sampling
+
+
+def profile_key(models: str, threads: int | None = None) -> str:
+    """What a profile is valid for: machine, torch, kernel build, models and dtype, threads."""
+    from specav.models.quant_choice import machine_key
+
+    flags = ""
+    try:
+        flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+    except OSError:
+        pass
+    threads = threads or torch.get_num_threads()
+    return (f"{machine_key()} | cpu flags {hashlib.sha256(flags.encode()).hexdigest()[:12]} | {models} | "
+            f"{threads} threads")
+
+
+def load_or_profile(verifier: TargetVerifier, drafter: Drafter | None, key: str, cache_path: Path | None,
+                    max_verify_tokens: int, max_draft_rows: int, refresh: bool = False,
+                    progress: bool = True) -> CostProfile:
+    """The cached profile for `key`, or a fresh measurement (then cached)."""
+    if cache_path is not None and not refresh:
+        cached = _read(cache_path).get(key)
+        if cached is not None:
+            return CostProfile.from_dict(cached)
+    profile = measure_profile(verifier, drafter, max_verify_tokens, max_draft_rows, key, progress)
+    if cache_path is not None:
+        _write(cache_path, key, profile)
+    return profile
+
+
+def measure_profile(verifier: TargetVerifier, drafter: Drafter | None, max_verify_tokens: int,
+                    max_draft_rows: int, key: str = "", progress: bool = True) -> CostProfile:
+    """Time the verify stage at VERIFY_TOKENS (up to max_verify_tokens) and the draft stage at
+    DRAFT_ROWS (up to max_draft_rows), median of REPEATS each, on a SHORT_CONTEXT-token context;
+    each stage once more at LONG_CONTEXT for its seconds per cached position."""
+    gen = torch.Generator().manual_seed(0)
+    vocab = verifier.model.vocab_size
+    verify_sizes = [t for t in VERIFY_TOKENS if t <= max(1, max_verify_tokens)]
+    draft_sizes = [a for a in DRAFT_ROWS if a <= max(1, max_draft_rows)] if drafter is not None else []
+    total = len(verify_sizes) + len(draft_sizes) + 2
+    if progress:
+        print(f"specav: profiling the draft and verify stages once for this machine ({total} shapes)",
+              file=sys.stderr, flush=True)
+    started = time.perf_counter()
+    verify = {t: _time_verify(verifier, t, SHORT_CONTEXT, vocab, gen) for t in verify_sizes}
+    verify_long = _time_verify(verifier, 1, LONG_CONTEXT, vocab, gen)
+    verify_curve = CostCurve.fit(verify, (verify_long - verify[1]) / (LONG_CONTEXT - SHORT_CONTEXT))
+    draft_curve = None
+    if drafter is not None:
+        draft = {a: _time_draft(drafter, a, SHORT_CONTEXT, vocab, gen) for a in draft_sizes}
+        draft_long = _time_draft(drafter, 1, LONG_CONTEXT, vocab, gen)
+        draft_curve = CostCurve.fit(draft, (draft_long - draft[1]) / (LONG_CONTEXT - SHORT_CONTEXT))
+    if progress:
+        print(f"specav: profiled in {time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
+    return CostProfile(verify_curve, draft_curve, key)
+
+
+def _dummy_requests(n: int, context: int, vocab: int, gen: torch.Generator) -> list[Request]:
+    return [Request(torch.randint(0, vocab, (context,), generator=gen).tolist(), _PARAMS,
+                    request_id=f"profile-{i}") for i in range(n)]
+
+
+def _time_verify(verifier: TargetVerifier, tokens: int, context: int, vocab: int, gen: torch.Generator) -> float:
+    """Median seconds of verify over one request's pending token + tokens - 1 admitted slots."""
+    request = _dummy_requests(1, context, vocab, gen)[0]
+    slots = torch.randint(0, vocab, (tokens - 1,), generator=gen).tolist()
+    try:
+        times = []
+        for repeat in range(REPEATS + 1):  # the first call prefills the context
+            start = time.perf_counter()
+            verifier.verify([request], [slots])
+            if repeat:
+                times.append(time.perf_counter() - start)
+            verifier.commit([request], [len(slots)], AcceptResult(torch.zeros(1, dtype=torch.int64), [[slots[0] if slots else 0]]))
+        return statistics.median(times)
+    finally:
+        verifier.release(request)
+
+
+def _time_draft(drafter: Drafter, rows: int, context: int, vocab: int, gen: torch.Generator) -> float:
+    """Median seconds of one drafting slot of `rows` requests, one pending token each."""
+    requests = _dummy_requests(rows, context, vocab, gen)
+    try:
+        times = []
+        for repeat in range(REPEATS + 1):  # the first call prefills the contexts
+            start = time.perf_counter()
+            drafts = drafter.propose(requests, [1] * rows)
+            if repeat:
+                times.append(time.perf_counter() - start)
+            last = drafts.token_ids[:, 0].tolist()
+            drafter.commit(requests, drafts, AcceptResult(torch.zeros(rows, dtype=torch.int64), [[t] for t in last]))
+        return statistics.median(times)
+    finally:
+        for r in requests:
+            drafter.release(r)
+
+
+def format_profile(profile: CostProfile) -> str:
+    """The profile as a table (what `specav profile` prints)."""
+    lines = [f"cost profile: {profile.key}", "verify stage (target forward + processed distributions):",
+             "  tokens  " + " ".join(f"{t:>7d}" for t in profile.verify.tokens),
+             "  ms      " + " ".join(f"{s * 1e3:7.2f}" for s in profile.verify.seconds),
+             f"  + {profile.verify.per_context * 1e6:.3f} us per cached position"]
+    if profile.draft is not None:
+        lines += ["draft stage, one slot (drafter forward + sampling + features):",
+                  "  rows    " + " ".join(f"{t:>7d}" for t in profile.draft.tokens),
+                  "  ms      " + " ".join(f"{s * 1e3:7.2f}" for s in profile.draft.seconds),
+                  f"  + {profile.draft.per_context * 1e6:.3f} us per cached position",
+                  f"  one drafter slot / one target token: {profile.draft(1) / profile.verify(1):.2f}"]
+    v1 = profile.verify(1)
+    lines.append("  verify cost relative to one token: " + ", ".join(
+        f"{t} tokens {profile.verify(t) / v1:.2f}x" for t in (2, 5, 9, 16) if t <= profile.verify.tokens[-1]))
+    return "\n".join(lines)
+
+
+def _read(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _write(path: Path, key: str, profile: CostProfile) -> None:
+    data = _read(path)
+    data[key] = profile.to_dict()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+        os.replace(tmp, path)
+    except OSError as e:  # a read-only cache: the profile still serves this run
+        print(f"specav: could not cache the cost profile in {path} ({e}); it will be measured again next time",
+              file=sys.stderr)

@@ -1,0 +1,269 @@
+"""Adaptive verification: draft only as far as drafts pay, and verify only the slots that pay.
+
+Owns the adaptive planner: its price of compute, its per-request history, and its three rules.
+Every rule compares an expected gain in tokens with a cost in seconds converted to tokens by
+the price lambda (tokens per second): maximising the long-run rate tokens / seconds is
+maximising tokens - lambda * seconds at the optimal rate, and lambda is re-estimated from
+measured steps (Dinkelbach's iteration). lambda = max(1, measured speed-up over target-only
+decoding) x the target-only rate of the current batch, so nothing is drafted or verified
+unless it buys tokens faster than plain decoding would: with AV on, speculation is meant to
+never be slower.
+
+Rules (survival s_i = product of a request's confidences 1..i, architecture.md):
+
+* Draft (before each drafter forward j = 1..K, the early stop). Each request that may draft
+  slot j expects gain g = s_{j-1} * c_j, where c_j is the estimator's confidence at position j
+  for the request's latest feature (slot j-1's, or for j = 1 its history from earlier steps:
+  the no-draft decision). Sorted by g, the requests drafting slot j are the prefix n that
+  maximises sum(g) - lambda * (drafter forward over their tokens + n verified tokens); n = 0
+  stops drafting. Lossless: it reads q_1..q_{j-1} of the request and anything of the others,
+  never x_j or what follows from it.
+* Skip and probe. A request the rule leaves out at slot 1 does not draft for `probe_interval`
+  steps (it decodes target-only; its drafter catches up on the skipped tokens in one packed
+  forward when it drafts again), then drafts slot 1 whatever the rule says, so fresh features
+  can bring it back (a code block in a chat answer). A probe that does not lead to slot 2
+  doubles the wait, up to `max_probe_interval`.
+* Admit (the plan stage, the trim). Drafting is sunk by then, so a slot pays if its survival
+  s >= lambda * (marginal verify seconds). All drafted slots of the batch are scanned in
+  descending survival (ties by position, then by request), admitting while the slot pays and
+  stopping at the first that does not. A request's survival never rises along its draft, so
+  its admitted slots are a prefix; whether slot i is admitted depends only on slots ranked
+  above it, which are other requests' slots and its own shallower ones: lossless. (An argmax
+  over budgets would look at the request's deeper slots and is lossy: tests/test_adaptive.py
+  shows the distribution tests catch it.)
+* Explore. With probability `exploration` per request and step, drawn from the planner's own
+  generator (never from the drafts), a request drafts and verifies its whole block, so deep
+  positions keep getting labels while the rules above trim.
+
+Must not know: models, the rejection sampler, the engine, the server.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from specav.acceptance.features import require_lossless
+from specav.acceptance.scorer import Scorer, score_column
+from specav.config import AdaptiveConfig
+from specav.request import Request
+from specav.types import DraftBatch, Plan, Scores, StepRecord
+from specav.verification.cost_model import CostModel, _decay
+from specav.verification.planner import DraftPlan, TargetShape, register
+
+_HISTORY_WEIGHT = 0.5  # weight of this step's mean slot feature in a request's feature history
+
+
+@dataclass(slots=True)
+class _History:
+    """What the planner remembers of one request between steps."""
+
+    feature: float = math.nan  # recent slot feature (EMA over steps of the mean drafted feature)
+    wait: int = 0  # steps left before it may draft again
+    interval: int = 1  # the wait after its next probe that does not pay
+    probing: bool = True  # its next slot 1 is drafted whatever the rule says (new requests probe)
+
+
+def select_prefix(gains: Sequence[float], tokens: Sequence[int], committed_tokens: int, price: float,
+                  forward_seconds, verify_marginal: float) -> int:
+    """How many of the candidates (sorted by gain, descending) join a forward.
+
+    gains: expected tokens of each candidate's next slot; tokens: what each feeds the forward;
+    committed_tokens: tokens already in the forward (0: the forward's whole cost is at stake);
+    forward_seconds(tokens) -> seconds; verify_marginal: seconds per verified slot.
+    Maximises sum(gains[:n]) - price * (forward(committed + tokens[:n]) - forward(committed)
+    + n * verify_marginal) over n.
+    """
+    base = forward_seconds(committed_tokens) if committed_tokens else 0.0
+    best_n, best, gain, fed = 0, 0.0, 0.0, committed_tokens
+    for n, (g, t) in enumerate(zip(gains, tokens), start=1):
+        gain += g
+        fed += t
+        value = gain - price * (forward_seconds(fed) - base + n * verify_marginal)
+        if value > best:
+            best_n, best = n, value
+    return best_n
+
+
+class _SurvivalStop:
+    """The draft rule for one step: after each slot, which requests draft the next one."""
+
+    def __init__(self, planner: "AdaptivePlanner", forced: torch.Tensor, price: float, verify_tokens: int,
+                 contexts: Sequence[int]) -> None:
+        self.planner = planner
+        self.forced = forced  # [B] bool: exploring requests draft every slot
+        self.price = price
+        self.survival = torch.ones(forced.shape[0], dtype=torch.float64)  # [B] s_j of the last drafted slot
+        self.last_feature = torch.full((forced.shape[0],), math.nan, dtype=torch.float64)  # [B]
+        self.verify_tokens = verify_tokens  # tokens verification will pack if every drafted slot is admitted
+        self.contexts = contexts
+
+    def keep_drafting(self, slot: int, rows: Sequence[int], features: dict[str, torch.Tensor]) -> torch.Tensor:
+        p = self.planner
+        idx = torch.as_tensor(list(rows), dtype=torch.int64)
+        f = features[p.scorer.feature].to(torch.float64)  # [A]
+        self.last_feature[idx] = f
+        self.survival[idx] *= torch.nan_to_num(score_column(p.scorer, f, slot, p.num_slots), nan=0.0)
+        self.verify_tokens += len(rows)
+        keep = self.forced[idx].clone()  # [A]
+        if slot + 1 >= p.num_slots:
+            return keep
+        gains = self.survival[idx] * torch.nan_to_num(score_column(p.scorer, f, slot + 1, p.num_slots), nan=0.0)
+        free = (~keep).nonzero().flatten().tolist()
+        chosen = p.choose(gains[free].tolist(), [1] * len(free), int(keep.sum()), self.price,
+                          self.verify_tokens, sum(self.contexts[r] for r in rows))
+        for j in chosen:
+            keep[free[j]] = True
+        return keep
+
+
+@register("adaptive")
+class AdaptivePlanner:
+    """Survival-ranked drafting and admission under a price of compute (see the module docstring)."""
+
+    name = "adaptive"
+    uses_confidences = True
+
+    def __init__(self, num_slots: int, scorer: Scorer, cost: CostModel,
+                 config: AdaptiveConfig = AdaptiveConfig(), **_: object) -> None:
+        require_lossless(scorer.feature)  # trimming on a feature that reads x_i would be lossy
+        self.num_slots = num_slots
+        self.scorer = scorer
+        self.cost = cost
+        self.config = config
+        self.generator = torch.Generator().manual_seed(config.seed)  # exploration only
+        self.rate_alpha = _decay(config.rate_halflife)
+        self.speedup = 1.0  # EMA of measured rate / target-only rate
+        self.history: dict[str, _History] = {}
+
+    # ---- the price of compute -------------------------------------------------------
+
+    def target_only_rate(self, shapes: Sequence[TargetShape]) -> float:
+        """Tokens per second of a target-only step over these requests, as the cost model predicts it."""
+        seconds = self.cost.verify_seconds(sum(s.pending for s in shapes), sum(s.context for s in shapes))
+        return len(shapes) / max(seconds + self.cost.overhead, 1e-9)
+
+    def price(self, shapes: Sequence[TargetShape]) -> float:
+        return max(1.0, self.speedup) * self.target_only_rate(shapes)
+
+    def choose(self, gains: list[float], tokens: list[int], committed_tokens: int, price: float,
+               verify_tokens: int, context: int) -> list[int]:
+        """Indices of the candidates that join the next drafter forward (the draft rule)."""
+        order = sorted(range(len(gains)), key=lambda i: (-gains[i], i))
+        verify_marginal = self.cost.verify_seconds(verify_tokens + 1) - self.cost.verify_seconds(verify_tokens)
+        n = select_prefix([gains[i] for i in order], [tokens[i] for i in order], committed_tokens, price,
+                          lambda t: self.cost.draft_seconds(t, context), verify_marginal)
+        return order[:n]
+
+    # ---- draft ---------------------------------------------------------------------------
+
+    def draft_plan(self, requests: Sequence[Request], max_slots: Sequence[int],
+                   shapes: Sequence[TargetShape]) -> DraftPlan:
+        b = len(requests)
+        price = self.price(shapes)
+        explore = (torch.rand(b, generator=self.generator, dtype=torch.float64) < self.config.exploration)
+        explore &= torch.tensor([m > 0 for m in max_slots], dtype=torch.bool)
+        num_slots = [0] * b
+        forced: list[int] = []
+        candidates: list[int] = []
+        for i, (request, m) in enumerate(zip(requests, max_slots)):
+            h = self._history(request)
+            if m == 0:
+                continue
+            if bool(explore[i]) or h.probing or math.isnan(h.feature):
+                forced.append(i)
+            elif h.wait > 0:
+                h.wait -= 1
+                h.probing = h.wait == 0
+                continue
+            else:
+                candidates.append(i)
+            num_slots[i] = m
+        chosen = self._choose_first_slot(requests, candidates, forced, price, shapes)
+        for i in candidates:
+            if i not in chosen:  # the no-draft decision: decode target-only for a while
+                num_slots[i] = 0
+                h = self._history(requests[i])
+                h.wait = h.interval
+        verify_tokens = sum(s.pending for s in shapes)
+        stop = _SurvivalStop(self, explore.clone(), price, verify_tokens, [s.context for s in shapes])
+        return DraftPlan(num_slots, stop, explore, price, verify_tokens, sum(s.context for s in shapes))
+
+    def _choose_first_slot(self, requests: Sequence[Request], candidates: list[int], forced: list[int],
+                           price: float, shapes: Sequence[TargetShape]) -> set[int]:
+        """Which candidates draft slot 1, predicted from their feature history (no drafter forward yet)."""
+        if not candidates:
+            return set()
+        history = torch.tensor([self._history(requests[i]).feature for i in candidates], dtype=torch.float64)
+        gains = torch.nan_to_num(score_column(self.scorer, history, 0, self.num_slots), nan=0.0).tolist()
+        verify_tokens = sum(s.pending for s in shapes) + len(forced)
+        context = sum(shapes[i].context for i in candidates + forced)
+        chosen = self.choose(gains, [1] * len(candidates), len(forced), price, verify_tokens, context)
+        return {candidates[j] for j in chosen}
+
+    # ---- admit ---------------------------------------------------------------------------
+
+    def plan(self, drafts: DraftBatch, scores: Scores, draft_plan: DraftPlan) -> Plan:
+        counts = drafts.num_drafted  # [B]
+        explore = draft_plan.explore if draft_plan.explore is not None else torch.zeros_like(counts, dtype=torch.bool)
+        admitted = torch.where(explore, counts, torch.zeros_like(counts))  # [B]
+        verify_tokens = draft_plan.pending_tokens + int(admitted.sum())
+        survival = torch.nan_to_num(scores.survival.to(torch.float64), nan=0.0)  # [B, K]
+        for b, i, s in self._ranked_slots(survival, counts, explore):
+            marginal = self.cost.verify_seconds(verify_tokens + 1) - self.cost.verify_seconds(verify_tokens)
+            if s < draft_plan.price * marginal:
+                break  # the first slot that does not pay ends the scan: every later slot ranks lower
+            admitted[b] = i + 1
+            verify_tokens += 1
+        return Plan.of(drafts, admitted, self.cost.predict(drafts.forwards, verify_tokens, draft_plan.context))
+
+    @staticmethod
+    def _ranked_slots(survival: torch.Tensor, counts: torch.Tensor, explore: torch.Tensor):
+        """Drafted slots of non-exploring requests as (request, 0-based position, survival), in
+        descending survival; ties by position, then by request."""
+        b, k = survival.shape
+        position = torch.arange(k).expand(b, k)
+        request = torch.arange(b)[:, None].expand(b, k)
+        keep = (position < counts[:, None]) & ~explore[:, None]
+        s, i, r = survival[keep], position[keep], request[keep]
+        order = sorted(range(s.shape[0]), key=lambda j: (-float(s[j]), int(i[j]), int(r[j])))
+        return [(int(r[j]), int(i[j]), float(s[j])) for j in order]
+
+    # ---- observe -------------------------------------------------------------------------
+
+    def observe(self, record: StepRecord) -> None:
+        self.cost.observe(record.drafts.forwards, record.verify_tokens, record.verify_context, record.times)
+        if record.times.total > 0 and record.requests:
+            # what a target-only step over the same requests would have cost: their pending tokens alone
+            pending = record.verify_tokens - int(record.num_admitted.sum())
+            target_only = self.cost.verify_seconds(pending, record.verify_context) + self.cost.overhead
+            tokens = int(record.num_accepted.sum()) + len(record.requests)
+            speedup = (tokens / record.times.total) / (len(record.requests) / max(target_only, 1e-9))
+            self.speedup += self.rate_alpha * (speedup - self.speedup)
+        features = record.scores.features  # [B, K]
+        for b, request in enumerate(record.requests):
+            drafted = int(record.drafts.num_drafted[b])
+            h = self._history(request)
+            if drafted:
+                mean = float(features[b, :drafted].nan_to_num(nan=0.0).mean())
+                h.feature = mean if math.isnan(h.feature) else \
+                    _HISTORY_WEIGHT * mean + (1 - _HISTORY_WEIGHT) * h.feature
+            if h.probing and drafted:
+                h.probing = False
+                if drafted >= 2 or drafted >= record.max_slots[b]:
+                    h.interval = self.config.probe_interval  # drafting pays again
+                else:
+                    h.wait = h.interval
+                    h.interval = min(2 * h.interval, self.config.max_probe_interval)
+
+    def release(self, request: Request) -> None:
+        self.history.pop(request.request_id, None)
+
+    def _history(self, request: Request) -> _History:
+        h = self.history.get(request.request_id)
+        if h is None:
+            h = self.history[request.request_id] = _History(interval=self.config.probe_interval)
+        return h

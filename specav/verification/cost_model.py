@@ -1,0 +1,166 @@
+"""The cost model: predicted seconds of a step's stages, profiled at start-up and corrected online.
+
+Owns: the two cost curves the planner prices slots with, and their correction from measured
+step times.
+
+    draft(tokens, context)    one drafter forward feeding `tokens` rows, with its sampling and
+                              features (one drafting slot of every request that drafts it)
+    verify(tokens, context)   the target's packed forward over `tokens` tokens, with the
+                              processed distributions of every row
+    overhead                  the rest of a step (scoring, planning, rejection sampling, commit)
+
+`context` is the number of cached positions the forward attends to, summed over its requests
+(each request's KV cache is read once per forward, so long contexts cost more). A curve is
+the profile's measured points made monotone (pool-adjacent-violators, so one noisy point
+cannot make more tokens look cheaper) and interpolated linearly, extended past the last point
+with the last segment's slope, plus `per_context` seconds per cached position.
+
+Online correction. Each step the engine reports what it measured; each stage keeps a
+multiplicative scale, an exponential moving average in log space of measured / profiled
+(half-life `halflife` steps), so a uniform slowdown (thermal throttling, a noisy neighbour)
+is followed within a few half-lives whatever its size, and a stale profile never stays in
+charge. The overhead is an EMA of the measured remainder. The profile itself (running the
+models) lives in engine/profile.py; this module never runs a model.
+
+Must not know: models, requests, the engine.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+from specav.types import StageTimes
+
+
+def isotonic(values: Sequence[float]) -> list[float]:
+    """Least-squares non-decreasing fit of a sequence (pool adjacent violators)."""
+    blocks: list[list[float]] = []  # [sum, count]
+    for v in values:
+        blocks.append([float(v), 1.0])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            total, count = blocks.pop()
+            blocks[-1][0] += total
+            blocks[-1][1] += count
+    return [s / c for s, c in blocks for _ in range(int(c))]
+
+
+@dataclass(frozen=True, slots=True)
+class CostCurve:
+    """Seconds of one forward against the tokens it packs (monotone, piecewise linear)."""
+
+    tokens: tuple[int, ...]  # ascending, >= 1
+    seconds: tuple[float, ...]  # non-decreasing
+    per_context: float = 0.0  # seconds per cached position attended to
+
+    def __post_init__(self) -> None:
+        if not self.tokens or len(self.tokens) != len(self.seconds):
+            raise ValueError("a cost curve needs one time per token count, and at least one point")
+        if list(self.tokens) != sorted(set(self.tokens)) or self.tokens[0] < 1:
+            raise ValueError(f"token counts must be distinct, ascending and >= 1, got {self.tokens}")
+        if any(b < a for a, b in zip(self.seconds, self.seconds[1:])) or self.seconds[0] < 0:
+            raise ValueError("seconds must be non-negative and non-decreasing: build curves with CostCurve.fit")
+
+    @classmethod
+    def fit(cls, measured: Mapping[int, float], per_context: float = 0.0) -> "CostCurve":
+        """A monotone curve through measured {tokens: seconds} points."""
+        tokens = sorted(measured)
+        return cls(tuple(tokens), tuple(isotonic([measured[t] for t in tokens])), max(0.0, per_context))
+
+    def __call__(self, tokens: float, context: float = 0.0) -> float:
+        """Seconds of a forward over `tokens` tokens attending to `context` cached positions (0 tokens: 0)."""
+        if tokens <= 0:
+            return 0.0
+        xs, ys = self.tokens, self.seconds
+        if len(xs) == 1:
+            base = ys[0] * tokens / xs[0] if tokens > xs[0] else ys[0]
+        elif tokens <= xs[0]:
+            base = ys[0]
+        else:
+            i = min(bisect.bisect_left(xs, tokens), len(xs) - 1)  # segment (i - 1, i), the last one past the end
+            slope = (ys[i] - ys[i - 1]) / (xs[i] - xs[i - 1])
+            base = ys[i - 1] + slope * (tokens - xs[i - 1])
+        return base + self.per_context * max(0.0, context)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"tokens": list(self.tokens), "seconds": list(self.seconds), "per_context": self.per_context}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "CostCurve":
+        return cls(tuple(int(t) for t in data["tokens"]), tuple(float(s) for s in data["seconds"]),
+                   float(data.get("per_context", 0.0)))
+
+
+@dataclass(frozen=True, slots=True)
+class CostProfile:
+    """What a start-up profile measured: the curves, and what they were measured for."""
+
+    verify: CostCurve
+    draft: CostCurve | None  # None: target-only engine
+    key: str = ""  # machine, models, dtype, threads and kernel build (engine/profile.py)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"key": self.key, "verify": self.verify.to_dict(),
+                "draft": None if self.draft is None else self.draft.to_dict()}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "CostProfile":
+        draft = data.get("draft")
+        return cls(CostCurve.from_dict(data["verify"]), None if draft is None else CostCurve.from_dict(draft),
+                   str(data.get("key", "")))
+
+
+def _decay(halflife: float) -> float:
+    """Weight of a new observation in an EMA with this half-life (in observations)."""
+    return 1.0 - 0.5 ** (1.0 / halflife)
+
+
+class CostModel:
+    """Profiled curves times online scales; predicts stages, learns from measured steps."""
+
+    def __init__(self, profile: CostProfile, halflife: float = 8.0, overhead: float = 0.0) -> None:
+        if not (math.isfinite(halflife) and halflife > 0):
+            raise ValueError(f"halflife = {halflife!r} is invalid: a number of steps > 0")
+        self.profile = profile
+        self.alpha = _decay(halflife)
+        self.log_scale = {"draft": 0.0, "verify": 0.0}
+        self.overhead = overhead  # seconds per step outside the two models' stages
+        self.observations = 0
+
+    def scale(self, stage: str) -> float:
+        return math.exp(self.log_scale[stage])
+
+    # ---- predictions ------------------------------------------------------------
+
+    def draft_seconds(self, tokens: float, context: float = 0.0) -> float:
+        """One drafter forward (and its sampling) over `tokens` rows."""
+        if self.profile.draft is None:
+            return 0.0
+        return self.profile.draft(tokens, context) * self.scale("draft")
+
+    def verify_seconds(self, tokens: float, context: float = 0.0) -> float:
+        return self.profile.verify(tokens, context) * self.scale("verify")
+
+    def predict(self, forwards: Sequence[tuple[int, int]], verify_tokens: int, verify_context: int) -> StageTimes:
+        """Times of a step with these drafter forwards [(tokens, context), ...] and this verification."""
+        draft = sum(self.draft_seconds(t, c) for t, c in forwards)
+        verify = self.verify_seconds(verify_tokens, verify_context)
+        return StageTimes(draft, verify, draft + verify + self.overhead)
+
+    # ---- online correction -----------------------------------------------------------
+
+    def observe(self, forwards: Sequence[tuple[int, int]], verify_tokens: int, verify_context: int,
+                measured: StageTimes) -> None:
+        """Move each stage's scale toward measured / profiled, and the overhead toward the remainder."""
+        profiled_draft = sum(self.profile.draft(t, c) for t, c in forwards) if self.profile.draft else 0.0
+        profiled_verify = self.profile.verify(verify_tokens, verify_context)
+        for stage, profiled, seconds in (("draft", profiled_draft, measured.draft),
+                                         ("verify", profiled_verify, measured.verify)):
+            if profiled > 0 and seconds > 0 and math.isfinite(seconds):
+                self.log_scale[stage] += self.alpha * (math.log(seconds / profiled) - self.log_scale[stage])
+        rest = measured.total - measured.draft - measured.verify
+        if math.isfinite(rest):
+            self.overhead += self.alpha * (max(0.0, rest) - self.overhead)
+        self.observations += 1
