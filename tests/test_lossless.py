@@ -60,9 +60,11 @@ def exact_joint(target, params: SamplingParams) -> np.ndarray:
     return joint
 
 
-def empirical_joint(engine, params: SamplingParams) -> np.ndarray:
+def empirical_joint(engine, params: SamplingParams, max_tokens: int = 3) -> np.ndarray:
+    """Counts of the first two tokens of N seeded requests (max_tokens each, so the first step
+    drafts up to max_tokens - 1 slots)."""
     runs = [SamplingParams(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
-                           max_tokens=3, seed=seed) for seed in range(N)]
+                           max_tokens=max_tokens, seed=seed) for seed in range(N)]
     counts = np.zeros((V, V))
     for r in engine.generate([PROMPT] * N, runs):
         counts[r.output_ids[0], r.output_ids[1]] += 1

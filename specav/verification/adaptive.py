@@ -64,7 +64,7 @@ class _History:
     feature: float = math.nan  # recent slot feature (EMA over steps of the mean drafted feature)
     wait: int = 0  # steps left before it may draft again
     interval: int = 1  # the wait after its next probe that does not pay
-    probing: bool = True  # its next slot 1 is drafted whatever the rule says (new requests probe)
+    probing: bool = False  # its next slot 1 is drafted whatever the rule says (after a wait)
 
 
 def select_prefix(gains: Sequence[float], tokens: Sequence[int], committed_tokens: int, price: float,
@@ -138,6 +138,7 @@ class AdaptivePlanner:
         self.rate_alpha = _decay(config.rate_halflife)
         self.speedup = 1.0  # EMA of measured rate / target-only rate
         self.history: dict[str, _History] = {}
+        self.population_feature = math.nan  # recent mean slot feature over all requests (new requests' prior)
 
     # ---- the price of compute -------------------------------------------------------
 
@@ -173,7 +174,7 @@ class AdaptivePlanner:
             h = self._history(request)
             if m == 0:
                 continue
-            if bool(explore[i]) or h.probing or math.isnan(h.feature):
+            if bool(explore[i]) or h.probing or math.isnan(self._predictor(h)):
                 forced.append(i)
             elif h.wait > 0:
                 h.wait -= 1
@@ -197,7 +198,8 @@ class AdaptivePlanner:
         """Which candidates draft slot 1, predicted from their feature history (no drafter forward yet)."""
         if not candidates:
             return set()
-        history = torch.tensor([self._history(requests[i]).feature for i in candidates], dtype=torch.float64)
+        history = torch.tensor([self._predictor(self._history(requests[i])) for i in candidates],
+                               dtype=torch.float64)
         gains = torch.nan_to_num(score_column(self.scorer, history, 0, self.num_slots), nan=0.0).tolist()
         verify_tokens = sum(s.pending for s in shapes) + len(forced)
         context = sum(shapes[i].context for i in candidates + forced)
@@ -244,6 +246,11 @@ class AdaptivePlanner:
             speedup = (tokens / record.times.total) / (len(record.requests) / max(target_only, 1e-9))
             self.speedup += self.rate_alpha * (speedup - self.speedup)
         features = record.scores.features  # [B, K]
+        drafted_features = features[~torch.isnan(features)]
+        if drafted_features.numel():
+            mean = float(drafted_features.mean())
+            self.population_feature = mean if math.isnan(self.population_feature) else \
+                self.rate_alpha * mean + (1 - self.rate_alpha) * self.population_feature
         for b, request in enumerate(record.requests):
             drafted = int(record.drafts.num_drafted[b])
             h = self._history(request)
@@ -261,6 +268,10 @@ class AdaptivePlanner:
 
     def release(self, request: Request) -> None:
         self.history.pop(request.request_id, None)
+
+    def _predictor(self, h: _History) -> float:
+        """The feature that predicts a request's next slot 1: its own history, else the population's."""
+        return self.population_feature if math.isnan(h.feature) else h.feature
 
     def _history(self, request: Request) -> _History:
         h = self.history.get(request.request_id)

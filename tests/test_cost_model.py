@@ -1,0 +1,112 @@
+"""The cost model: monotone interpolated curves, the profile's round trip, and the online correction."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from sklearn.isotonic import IsotonicRegression
+
+from specav.types import StageTimes
+from specav.verification.cost_model import CostCurve, CostModel, CostProfile, isotonic
+
+
+@given(st.lists(st.floats(0, 10, allow_nan=False), min_size=1, max_size=30))
+@settings(max_examples=200, deadline=None)
+def test_isotonic_equals_scikit_learn(values):
+    expected = IsotonicRegression().fit_transform(np.arange(len(values)), values)
+    np.testing.assert_allclose(isotonic(values), expected, atol=1e-9)
+
+
+def test_curve_is_monotone_even_when_a_measurement_is_noisy():
+    curve = CostCurve.fit({1: 10.0, 2: 12.0, 4: 11.0, 8: 20.0})  # 4 tokens measured faster than 2
+    assert list(curve.seconds) == [10.0, 11.5, 11.5, 20.0]
+    xs = np.linspace(0, 40, 401)
+    ys = [curve(x) for x in xs]
+    assert all(b >= a for a, b in zip(ys, ys[1:]))
+
+
+def test_curve_interpolates_and_extends_with_the_last_slope():
+    curve = CostCurve.fit({1: 1.0, 3: 2.0, 5: 6.0}, per_context=0.01)
+    assert curve(0) == 0.0  # no forward
+    assert curve(1) == curve(0.5) == 1.0  # below the first point: its time
+    assert curve(2) == pytest.approx(1.5)
+    assert curve(4) == pytest.approx(4.0)
+    assert curve(7) == pytest.approx(10.0)  # slope 2 per token past the end
+    assert curve(2, context=100) == pytest.approx(2.5)  # + 0.01 per cached position
+
+
+def test_single_point_curve_scales_past_its_point():
+    curve = CostCurve.fit({4: 2.0})
+    assert curve(1) == 2.0 and curve(8) == pytest.approx(4.0)
+
+
+@pytest.mark.parametrize("tokens, seconds", [((), ()), ((2, 1), (1.0, 2.0)), ((0, 1), (1.0, 2.0)),
+                                             ((1, 2), (2.0, 1.0))])
+def test_invalid_curves_are_refused(tokens, seconds):
+    with pytest.raises(ValueError):
+        CostCurve(tokens, seconds)
+
+
+def test_profile_round_trips_through_a_dict():
+    profile = CostProfile(CostCurve.fit({1: 0.05, 8: 0.08}, 1e-6), CostCurve.fit({1: 0.02, 4: 0.03}), "key")
+    assert CostProfile.from_dict(profile.to_dict()) == profile
+    target_only = CostProfile(CostCurve.fit({1: 0.05}), None)
+    assert CostProfile.from_dict(target_only.to_dict()) == target_only
+
+
+def profile() -> CostProfile:
+    return CostProfile(verify=CostCurve.fit({1: 0.050, 5: 0.060, 16: 0.100}),
+                       draft=CostCurve.fit({1: 0.020, 8: 0.030}))
+
+
+def test_online_correction_follows_a_slowdown_and_back():
+    """A 2x slowdown of the target (a noisy neighbour) and a 1.5x slowdown of the drafter: the
+    predictions follow within a few half-lives, then return when the slowdown ends."""
+    model = CostModel(profile(), halflife=4.0)
+    forwards, tokens, context = [(1, 100), (1, 101)], 3, 100
+    base = model.predict(forwards, tokens, context)
+    rng = np.random.default_rng(0)
+
+    def step(verify_factor: float, draft_factor: float) -> None:
+        noise = rng.lognormal(0.0, 0.05, 2)  # 5% timing noise
+        draft = base.draft * draft_factor * noise[0]
+        verify = base.verify * verify_factor * noise[1]
+        model.observe(forwards, tokens, context, StageTimes(draft, verify, draft + verify + 0.004))
+
+    for _ in range(40):
+        step(2.0, 1.5)
+    slowed = model.predict(forwards, tokens, context)
+    assert slowed.verify / base.verify == pytest.approx(2.0, rel=0.05)
+    assert slowed.draft / base.draft == pytest.approx(1.5, rel=0.05)
+    assert model.overhead == pytest.approx(0.004, rel=0.05)
+    for _ in range(40):
+        step(1.0, 1.0)
+    back = model.predict(forwards, tokens, context)
+    assert back.verify / base.verify == pytest.approx(1.0, rel=0.05)
+    assert back.draft / base.draft == pytest.approx(1.0, rel=0.05)
+
+
+def test_correction_converges_at_the_rate_its_half_life_says():
+    model = CostModel(profile(), halflife=8.0)
+    measured = 3 * profile().verify(4)
+    for _ in range(8):
+        model.observe([], 4, 0, StageTimes(0.0, measured, measured))
+    # after one half-life, half of the log-gap is closed
+    assert math.log(model.scale("verify")) == pytest.approx(0.5 * math.log(3), rel=1e-9)
+
+
+def test_non_finite_or_zero_measurements_are_ignored():
+    model = CostModel(profile())
+    model.observe([], 4, 0, StageTimes(0.0, float("nan"), float("inf")))
+    model.observe([], 4, 0, StageTimes(0.0, 0.0, 0.0))
+    assert model.scale("verify") == 1.0 and model.scale("draft") == 1.0 and math.isfinite(model.overhead)
+
+
+def test_target_only_profile_predicts_no_drafting_time():
+    model = CostModel(CostProfile(CostCurve.fit({1: 0.05}), None))
+    assert model.draft_seconds(4) == 0.0
+    assert model.predict([], 1, 0) == StageTimes(0.0, 0.05, 0.05)

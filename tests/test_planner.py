@@ -1,0 +1,229 @@
+"""The planners' rules as units: admission by survival, the draft rule, skip and probe, exploration.
+
+The lossless proofs (distributions) are in tests/test_adaptive_lossless.py; this file checks
+what the rules decide on hand-built batches.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from specav.acceptance.estimator import OnlineAcceptanceEstimator, survival
+from specav.acceptance.features import LossyFeatureError
+from specav.config import AdaptiveConfig, SamplingParams
+from specav.request import Request
+from specav.types import DraftBatch, Ragged, Scores
+from specav.verification.adaptive import AdaptivePlanner, select_prefix
+from specav.verification.cost_model import CostCurve, CostModel, CostProfile
+from specav.verification.planner import PLANNERS, DraftPlan, StaticPlanner, TargetShape, make_planner
+
+V = 6
+FROZEN = 1e12  # a cost-model half-life so long that nothing measured moves it
+
+
+def cost_model(verify_per_token: float = 0.1, draft_fixed: float = 0.2, draft_per_row: float = 0.02) -> CostModel:
+    verify = CostCurve.fit({1: 1.0, 64: 1.0 + 63 * verify_per_token})
+    draft = CostCurve.fit({1: draft_fixed + draft_per_row, 64: draft_fixed + 64 * draft_per_row})
+    return CostModel(CostProfile(verify, draft), halflife=FROZEN)
+
+
+def planner(k: int = 4, exploration: float = 0.0, **config) -> AdaptivePlanner:
+    return AdaptivePlanner(k, OnlineAcceptanceEstimator(k), cost_model(),
+                           AdaptiveConfig(exploration=exploration, **config))
+
+
+def drafts_for(counts: list[int], k: int) -> DraftBatch:
+    """A DraftBatch with counts[b] drafted slots (tokens and distributions are placeholders)."""
+    b = len(counts)
+    tokens = torch.full((b, k), -1, dtype=torch.int64)
+    for i, n in enumerate(counts):
+        tokens[i, :n] = 0
+    layout = Ragged.of(counts)
+    return DraftBatch(tokens, layout, torch.full((layout.total, V), 1.0 / V), {})
+
+
+def scores_of(confidences: list[list[float]], k: int) -> Scores:
+    c = torch.full((len(confidences), k), math.nan, dtype=torch.float64)
+    for i, row in enumerate(confidences):
+        c[i, :len(row)] = torch.tensor(row, dtype=torch.float64)
+    return Scores(torch.zeros_like(c), c, survival(c))
+
+
+def admit(confidences: list[list[float]], price: float, k: int = 4, explore: list[bool] | None = None):
+    p = planner(k)
+    counts = [len(row) for row in confidences]
+    explore_mask = torch.tensor(explore if explore else [False] * len(counts), dtype=torch.bool)
+    plan = p.plan(drafts_for(counts, k), scores_of(confidences, k),
+                  DraftPlan(counts, None, explore_mask, price, pending_tokens=len(counts)))
+    return plan.num_admitted.tolist()
+
+
+# ---- admission --------------------------------------------------------------------------
+
+def test_registry_holds_both_planners():
+    assert set(PLANNERS) == {"static", "adaptive"}
+    assert isinstance(make_planner("static"), StaticPlanner)
+    with pytest.raises(ValueError, match="unknown planner"):
+        make_planner("argmax")
+
+
+def test_a_confident_requests_deep_slot_outranks_a_doubtful_requests_first_slot():
+    # price 5, verify 0.1 s per token: a slot pays when its survival >= 0.5
+    assert admit([[0.99] * 4, [0.3, 0.9]], price=5.0) == [4, 0]
+    assert admit([[0.6, 0.6, 0.6], [0.9, 0.9]], price=5.0) == [1, 2]  # 0.6 pays, 0.36 does not; 0.81 pays
+
+
+def test_every_confidence_one_admits_all_and_zero_admits_none():
+    assert admit([[1.0] * 4, [1.0] * 2], price=5.0) == [4, 2]
+    assert admit([[0.0] * 4, [0.0] * 3], price=1e-3) == [0, 0]
+
+
+def test_one_request_and_k_one():
+    assert admit([[0.7, 0.7]], price=5.0, k=2) == [1]
+    assert admit([[0.7]], price=5.0, k=1) == [1]
+    assert admit([[0.4]], price=5.0, k=1) == [0]
+
+
+def test_empty_batch_and_nothing_drafted():
+    assert admit([], price=5.0) == []
+    assert admit([[], []], price=5.0) == [0, 0]
+
+
+def test_exploring_requests_verify_their_whole_block():
+    assert admit([[0.1, 0.1, 0.1], [0.1, 0.1]], price=5.0, explore=[True, False]) == [3, 0]
+
+
+def test_ties_break_by_position_so_the_scan_never_skips_a_shallower_slot():
+    # equal survival everywhere: request order decides between requests, position within one
+    assert admit([[1.0, 1.0], [1.0, 1.0]], price=1.0) == [2, 2]
+
+
+def test_nan_confidence_never_admits():
+    assert admit([[math.nan, 0.99]], price=5.0) == [0]
+
+
+@given(st.lists(st.lists(st.floats(0, 1), min_size=0, max_size=4), min_size=1, max_size=6),
+       st.floats(0.01, 30))
+@settings(max_examples=200, deadline=None)
+def test_admitted_slots_are_prefixes_and_the_top_of_the_survival_ranking(confidences, price):
+    admitted = admit(confidences, price)
+    surv = [torch.cumprod(torch.tensor(row, dtype=torch.float64), 0).tolist() for row in confidences]
+    kept = [s for row, n in zip(surv, admitted) for s in row[:n]]
+    dropped = [s for row, n in zip(surv, admitted) for s in row[n:]]
+    assert all(0 <= n <= len(row) for row, n in zip(confidences, admitted))
+    if kept and dropped:
+        assert min(kept) >= max(dropped)  # nothing trimmed ranks above something admitted
+
+
+def test_higher_price_never_admits_more():
+    confidences = [[0.95, 0.9, 0.8, 0.5], [0.7, 0.6], [0.99, 0.99, 0.99]]
+    totals = [sum(admit(confidences, price)) for price in (0.5, 2, 5, 8, 12, 50)]
+    assert totals == sorted(totals, reverse=True) and totals[0] == 9 and totals[-1] == 0
+
+
+# ---- the draft rule ---------------------------------------------------------------------
+
+def linear(fixed: float, per: float):
+    return lambda t: fixed + per * t
+
+
+def test_select_prefix_takes_the_candidates_that_pay_jointly():
+    # one forward costs 1 + 0.1 per row, each verified slot 0.1; price 1
+    assert select_prefix([0.6, 0.5], [1, 1], 0, 1.0, linear(1.0, 0.1), 0.1) == 0  # 1.1 < 1.2 + 0.2
+    assert select_prefix([0.9, 0.8], [1, 1], 0, 1.0, linear(1.0, 0.1), 0.1) == 2  # 1.7 > 1.2 + 0.2
+    assert select_prefix([0.9] * 4, [1] * 4, 0, 1.0, linear(1.0, 0.1), 0.1) == 4  # 3.6 > 1.4 + 0.4
+    assert select_prefix([0.9, 0.1], [1, 1], 0, 1.0, linear(0.5, 0.1), 0.1) == 1  # the second does not pay
+    assert select_prefix([0.3, 0.25], [1, 1], 2, 1.0, linear(1.0, 0.1), 0.1) == 2  # forward already paid for
+    assert select_prefix([], [], 0, 1.0, linear(1.0, 0.1), 0.1) == 0
+
+
+def requests(n: int) -> list[Request]:
+    return [Request([1, 2, 3], SamplingParams(), request_id=f"r{i}") for i in range(n)]
+
+
+def test_stop_rule_continues_confident_requests_and_stops_doubtful_ones():
+    p = planner(4)
+    batch = requests(2)
+    plan = p.draft_plan(batch, [4, 4], [TargetShape(1, 10)] * 2)
+    assert plan.num_slots == [4, 4]  # new requests probe: they draft slot 1
+    # features: request 0 very confident (logit 6 -> q_max ~ 0.998), request 1 doubtful (logit -2)
+    keep = plan.stop_rule.keep_drafting(0, [0, 1], {"logit_q_max": torch.tensor([6.0, -2.0])})
+    assert keep.tolist() == [True, False]
+
+
+def test_stop_rule_keeps_exploring_requests_whatever_their_features():
+    p = planner(4, exploration=1.0)
+    plan = p.draft_plan(requests(2), [4, 4], [TargetShape(1, 10)] * 2)
+    assert plan.explore.tolist() == [True, True]
+    keep = plan.stop_rule.keep_drafting(0, [0, 1], {"logit_q_max": torch.tensor([-9.0, -9.0])})
+    assert keep.tolist() == [True, True]
+
+
+def test_no_draft_then_probe_with_a_doubling_wait():
+    """A request whose drafts do not pay decodes target-only, probes after probe_interval steps,
+    and waits twice as long after each probe that does not lead to slot 2."""
+    p = planner(4, probe_interval=2, max_probe_interval=8)
+    request = requests(1)[0]
+    p.history[request.request_id] = h = type(p._history(request))(feature=-6.0, interval=2, probing=False)
+    decided = []
+    for step in range(30):
+        plan = p.draft_plan([request], [4], [TargetShape(1, 10)])
+        decided.append(plan.num_slots[0])
+        if plan.num_slots[0]:
+            assert not plan.stop_rule.keep_drafting(0, [0], {"logit_q_max": torch.tensor([-6.0])}).item()
+            h.probing = False  # what observe does after a probe that drafted one slot
+            h.wait, h.interval = h.interval, min(2 * h.interval, 8)
+    # step 0 decides not to draft and waits 2 steps; probes at 3, then waits 2, 4, 8, 8 (the cap)
+    assert [i for i, n in enumerate(decided) if n] == [3, 6, 11, 20, 29]
+
+
+def test_a_request_with_confident_history_drafts_and_one_without_does_not():
+    p = planner(4)
+    good, bad = requests(2)
+    p.history[good.request_id] = type(p._history(good))(feature=6.0, probing=False)
+    p.history[bad.request_id] = type(p._history(bad))(feature=-6.0, probing=False)
+    plan = p.draft_plan([good, bad], [4, 4], [TargetShape(1, 10)] * 2)
+    assert plan.num_slots == [4, 0]
+
+
+def test_exploration_draws_come_from_the_planners_own_generator():
+    p = planner(4, exploration=0.5, seed=7)
+    draws = torch.cat([p.draft_plan(requests(3), [4, 4, 4], [TargetShape(1, 0)] * 3).explore for _ in range(20)])
+    expected = torch.cat([torch.rand(3, generator=g, dtype=torch.float64) < 0.5
+                          for g in [torch.Generator().manual_seed(7)] for _ in range(20)])
+    assert torch.equal(draws, expected)
+    assert 0 < int(draws.sum()) < draws.numel()
+
+
+def test_requests_at_max_tokens_draft_nothing_and_never_explore():
+    p = planner(4, exploration=1.0)
+    plan = p.draft_plan(requests(2), [0, 3], [TargetShape(1, 0)] * 2)
+    assert plan.num_slots == [0, 3] and plan.explore.tolist() == [False, True]
+
+
+def test_a_lossy_scorer_is_refused():
+    class QSampledScorer:
+        name, feature = "lossy", "q_sampled"
+
+        def score(self, features):
+            return features
+
+        def observe(self, features, num_admitted, num_accepted):
+            pass
+
+    with pytest.raises(LossyFeatureError, match="q_sampled"):
+        AdaptivePlanner(4, QSampledScorer(), cost_model())
+
+
+def test_price_is_never_below_the_target_only_rate():
+    p = planner(4)
+    shapes = [TargetShape(1, 0)] * 4
+    p.speedup = 0.5  # speculation measured slower than target-only
+    assert p.price(shapes) == pytest.approx(p.target_only_rate(shapes))
+    p.speedup = 2.0
+    assert p.price(shapes) == pytest.approx(2 * p.target_only_rate(shapes))
