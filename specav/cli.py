@@ -1,4 +1,4 @@
-"""`specav generate | bench | eval`: the command line.
+"""`specav generate | profile | bench | eval`: the command line.
 
 Flags are derived from the config dataclasses: their defaults come from config.py, so the
 CLI never disagrees with the library.
@@ -101,6 +101,21 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+@command("profile")
+def cmd_profile(args: argparse.Namespace) -> int:
+    """Print the draft / verify cost profile adaptive verification plans with (measured once, cached)."""
+    from specav.engine.engine import Engine
+    from specav.engine.profile import format_profile
+
+    config = engine_config(args)
+    if config.speculative is None:
+        raise ValueError("profile measures drafting and verification: drop --no-speculation")
+    spec = dataclasses.replace(config.speculative, enable_adaptive_verification=True)
+    engine = Engine.from_config(dataclasses.replace(config, speculative=spec), refresh_profile=args.refresh)
+    print(format_profile(engine.planner.cost.profile))
+    return 0
+
+
 @command("eval")
 def cmd_eval(args: argparse.Namespace) -> int:
     return EVAL_COMMANDS[args.eval_command](args)
@@ -156,6 +171,7 @@ BENCHMARKS = {
     "calibration": "specav.bench.calibration",
     "report": "specav.bench.report_speed",
     "quantized": "specav.bench.quantized",
+    "adaptive": "specav.bench.adaptive",
 }
 
 
@@ -178,6 +194,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--raw", action="store_true", help="send the prompt as plain text, without the chat template")
     add_engine_flags(gen)
     add_sampling_flags(gen)
+
+    prof = sub.add_parser("profile", help="measure (once per machine, cached) and print the draft and verify "
+                                          "stage costs adaptive verification plans with")
+    prof.add_argument("--refresh", action="store_true", help="measure again instead of reading the cache")
+    add_engine_flags(prof)
 
     ev = sub.add_parser("eval", help="labelled-draft logs and reports on acceptance features")
     evsub = ev.add_subparsers(dest="eval_command", required=True)

@@ -97,7 +97,6 @@ class _SurvivalStop:
         self.forced = forced  # [B] bool: exploring requests draft every slot
         self.price = price
         self.survival = torch.ones(forced.shape[0], dtype=torch.float64)  # [B] s_j of the last drafted slot
-        self.last_feature = torch.full((forced.shape[0],), math.nan, dtype=torch.float64)  # [B]
         self.verify_tokens = verify_tokens  # tokens verification will pack if every drafted slot is admitted
         self.contexts = contexts
 
@@ -105,7 +104,6 @@ class _SurvivalStop:
         p = self.planner
         idx = torch.as_tensor(list(rows), dtype=torch.int64)
         f = features[p.scorer.feature].to(torch.float64)  # [A]
-        self.last_feature[idx] = f
         self.survival[idx] *= torch.nan_to_num(score_column(p.scorer, f, slot, p.num_slots), nan=0.0)
         self.verify_tokens += len(rows)
         keep = self.forced[idx].clone()  # [A]

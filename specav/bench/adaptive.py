@@ -1,0 +1,258 @@
+"""Benchmark: adaptive verification against target-only, static K and the oracle, on the packaged pair.
+
+    python -m specav.bench.adaptive [--workloads code,chat,prose] [--concurrency 1,4,8] [--requests 8]
+                                    [--max-tokens 128] [--ks 1,2,4,8] [--av-k 8] [--threads 2]
+                                    [--plot docs/adaptive.png]
+
+For each workload and concurrency C, the same `--requests` prompts (the workload's first ones,
+chat template applied) run to `--max-tokens` tokens each (EOS ignored, so every method does the
+same work) with C requests in flight (continuous batching, max_batch_size = C), temperature 0.7,
+top-k 20, top-p 0.8, request i seeded with i, through:
+
+    target-only    no drafter
+    static K=k     every request drafts and verifies k slots per step
+    AV             adaptive verification, K = --av-k at most (the engine's default config otherwise)
+    oracle         drafts and verifies exactly up to the first rejection: replayed from the
+                   static K=8 run's steps (same accepted counts, so the same emitted tokens) through
+                   the cost model, as that run's measured time x predicted(oracle) / predicted(K=8)
+
+Every row is measured in this one process, the methods taking turns per cell (the order reversed
+every other cell), after one warm-up request per method. Printed per cell: tokens/s, the ratio to
+target-only, to the best static K and to the oracle, tokens per step, slots drafted / verified per
+step, requests that skipped drafting; then AV's goals (issue 11) met or missed, and the share of
+AV's step time spent in its planner, estimator and cost model. This program owns no engine logic.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from specav.cli import encode_prompt
+from specav.config import EngineConfig, SamplingParams, SpeculativeConfig
+from specav.drafting import DraftModelDrafter
+from specav.engine.engine import Engine, eos_token_ids
+from specav.engine.profile import PROFILE_FILE, load_or_profile, profile_key
+from specav.evaluation.workloads import load_workload
+from specav.models import check_same_vocabulary, load_checkpoint, packaged
+from specav.types import StepRecord
+from specav.verification.cost_model import CostModel, CostProfile
+
+PARAMS = dict(temperature=0.7, top_k=20, top_p=0.8)
+
+
+@dataclass(slots=True)
+class _Step:
+    """What the oracle replay needs of one static K=8 step."""
+
+    pending: int
+    context: int
+    accepted: list[int]
+    forwards: list[tuple[int, int]]
+    admitted: int
+
+
+@dataclass(slots=True)
+class Run:
+    method: str
+    tokens: int = 0
+    seconds: float = 0.0
+    steps: int = 0
+    drafted: int = 0
+    admitted: int = 0
+    skipped: int = 0
+    planning_seconds: float = 0.0  # AV only: planner + estimator + cost model
+    replay: list[_Step] = field(default_factory=list)
+
+    @property
+    def tps(self) -> float:
+        return self.tokens / self.seconds if self.seconds else float("nan")
+
+
+class _Timed:
+    """Wraps an object's methods, adding their wall time to a shared counter (AV's overhead)."""
+
+    def __init__(self, counter: list[float], target, names: tuple[str, ...]) -> None:
+        for name in names:
+            original = getattr(target, name)
+
+            def timed(*args, _original=original, **kwargs):
+                start = time.perf_counter()
+                try:
+                    return _original(*args, **kwargs)
+                finally:
+                    counter[0] += time.perf_counter() - start
+
+            setattr(target, name, timed)
+
+
+def build_engine(target, drafter, k: int, adaptive: bool, concurrency: int, profile: CostProfile) -> Engine:
+    spec = SpeculativeConfig(num_speculative_tokens=k, enable_adaptive_verification=adaptive) if k else None
+    config = EngineConfig(speculative=spec, max_batch_size=concurrency)
+    return Engine(target.model, target.tokenizer, DraftModelDrafter(drafter.model) if k else None, config,
+                  eos_token_ids(target), cost_profile=profile if adaptive else None)
+
+
+def run(target, drafter, method: str, k: int, adaptive: bool, prompts: list[list[int]], max_tokens: int,
+        concurrency: int, profile: CostProfile) -> Run:
+    engine = build_engine(target, drafter, k, adaptive, concurrency, profile)
+    result = Run(method)
+    counter = [0.0]
+    if adaptive:
+        _Timed(counter, engine.planner, ("draft_plan", "plan", "observe"))
+        _Timed(counter, engine.scorer, ("score", "observe"))
+        original_draft_plan = engine.planner.draft_plan
+
+        def draft_plan(*args):  # the stop rule runs inside the drafter: time it too
+            plan = original_draft_plan(*args)
+            if plan.stop_rule is not None:
+                _Timed(counter, plan.stop_rule, ("keep_drafting",))
+            return plan
+
+        engine.planner.draft_plan = draft_plan
+    if method == "static K=8":
+        engine.step_listeners.append(lambda r: result.replay.append(_replay_step(r)))
+    params = [SamplingParams(max_tokens=max_tokens, seed=i, ignore_eos=True, **PARAMS) for i in range(len(prompts))]
+    start = time.perf_counter()
+    engine.generate(prompts, params)
+    result.seconds = time.perf_counter() - start
+    stats = engine.stats
+    result.tokens, result.steps = stats.emitted_tokens, stats.steps
+    result.drafted, result.admitted, result.skipped = stats.drafted, stats.admitted, stats.skipped
+    result.planning_seconds = counter[0]
+    return result
+
+
+def _replay_step(record: StepRecord) -> _Step:
+    admitted = int(record.num_admitted.sum())
+    return _Step(record.verify_tokens - admitted, record.verify_context, record.num_accepted.tolist(),
+                 list(record.drafts.forwards), admitted)
+
+
+def oracle(k8: Run, profile: CostProfile) -> Run:
+    """Draft and verify exactly up to the first rejection, on the K=8 run's steps (see the module docstring)."""
+    cost = CostModel(profile)
+    predicted_k8 = predicted_oracle = 0.0
+    drafted = 0
+    for step in k8.replay:
+        predicted_k8 += cost.predict(step.forwards, step.pending + step.admitted, step.context).total
+        depth = max(step.accepted, default=0)
+        per_row_context = step.context / max(len(step.accepted), 1)
+        forwards = []
+        for j in range(1, depth + 1):
+            rows = sum(1 for a in step.accepted if a >= j)
+            forwards.append((rows, int(rows * per_row_context)))
+        drafted += sum(step.accepted)
+        predicted_oracle += cost.predict(forwards, step.pending + sum(step.accepted), step.context).total
+    seconds = k8.seconds * predicted_oracle / predicted_k8 if predicted_k8 else float("nan")
+    return Run("oracle", k8.tokens, seconds, k8.steps, drafted, drafted)
+
+
+def goals(cell: dict[str, Run], concurrency: int) -> list[str]:
+    av, target_only, oracle_run = cell["AV"], cell["target-only"], cell["oracle"]
+    static = {m: r for m, r in cell.items() if m.startswith("static")}
+    best_static = max(static.values(), key=lambda r: r.tps)
+    best_plain = max([target_only, best_static], key=lambda r: r.tps)
+    checks = []
+    if concurrency == 1:
+        checks.append(("AV >= 0.98x the best of target-only and static K", av.tps / best_plain.tps, 0.98))
+    else:
+        checks.append(("AV above the best static K", av.tps / best_static.tps, 1.0 + 1e-9))
+    checks.append(("AV >= 0.9x the oracle", av.tps / oracle_run.tps, 0.9))
+    checks.append(("AV >= 0.98x target-only", av.tps / target_only.tps, 0.98))
+    return [f"{name}: {ratio:.2f}x -> {'met' if ratio >= need else 'MISSED'}" for name, ratio, need in checks]
+
+
+def print_cell(workload: str, concurrency: int, cell: dict[str, Run]) -> None:
+    base = cell["target-only"].tps
+    best_static = max(r.tps for m, r in cell.items() if m.startswith("static"))
+    oracle_tps = cell["oracle"].tps
+    for method, r in cell.items():
+        per_step = r.tokens / r.steps if r.steps else float("nan")
+        print(f"{workload:<6} {concurrency:>4}  {method:<12} {r.tps:>8.2f} {r.tps / base:>8.2f} {r.tps / best_static:>8.2f} "
+              f"{r.tps / oracle_tps:>8.2f} {per_step:>8.2f} {r.drafted / max(r.steps, 1):>8.2f} "
+              f"{r.admitted / max(r.steps, 1):>8.2f} {r.skipped:>7d}", flush=True)
+    av = cell["AV"]
+    share = av.planning_seconds / av.seconds if av.seconds else float("nan")
+    print(f"{'':<12} AV planner + estimator + cost model: {1e3 * av.planning_seconds / max(av.steps, 1):.2f} ms "
+          f"per step, {100 * share:.2f}% of AV's time; " + "; ".join(goals(cell, concurrency)), flush=True)
+
+
+def plot(results: dict[tuple[str, int], dict[str, Run]], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cells = list(results)
+    methods = list(next(iter(results.values())))
+    fig, ax = plt.subplots(figsize=(max(8, 1.3 * len(cells)), 4.5))
+    width = 0.8 / len(methods)
+    for j, method in enumerate(methods):
+        ratios = [results[c][method].tps / results[c]["target-only"].tps for c in cells]
+        ax.bar([i + j * width for i in range(len(cells))], ratios, width, label=method)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(cells))])
+    ax.set_xticklabels([f"{w}\nC={c}" for w, c in cells])
+    ax.set_ylabel("tokens/s relative to target-only")
+    ax.set_title("adaptive verification on the packaged pair (temperature 0.7, top-k 20, top-p 0.8)")
+    ax.legend(ncol=4, fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workloads", default="code,chat,prose")
+    parser.add_argument("--concurrency", default="1,4,8")
+    parser.add_argument("--requests", type=int, default=8, help="requests per cell")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--ks", default="1,2,4,8", help="static K values (8 is needed for the oracle)")
+    parser.add_argument("--av-k", type=int, default=8, help="AV's num_speculative_tokens (the deepest it drafts)")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--plot", default=None, help="write the bar chart here (PNG)")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    ks = [int(k) for k in args.ks.split(",")]
+    if 8 not in ks:
+        parser.error("--ks must include 8: the oracle replays the static K=8 run")
+    concurrencies = [int(c) for c in args.concurrency.split(",")]
+    target = load_checkpoint("default", args.dtype, role="target")
+    drafter = load_checkpoint("default", args.dtype, role="drafter")
+    check_same_vocabulary(target, drafter)
+    probe = build_engine(target, drafter, args.av_k, False, max(concurrencies), None)
+    key = profile_key(f"target default | drafter default | {args.dtype}")
+    profile = load_or_profile(probe.verifier, probe.drafter, key, packaged.cache_root() / PROFILE_FILE,
+                              max(concurrencies) * (args.av_k + 1), max(concurrencies))
+    methods = [("target-only", 0, False)] + [(f"static K={k}", k, False) for k in ks] + [("AV", args.av_k, True)]
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
+    print(f"packaged pair, {args.dtype}, {torch.get_num_threads()} threads, {cpu}; {args.requests} requests x "
+          f"{args.max_tokens} tokens per cell (EOS ignored), temperature 0.7, top-k 20, top-p 0.8")
+    for name, k, adaptive in methods:  # warm-up: first-call allocations, kernel plans
+        run(target, drafter, name, k, adaptive, [encode_prompt(target.tokenizer, "Hi")], 8, 1, profile)
+    print(f"{'work':<6} {'conc':>4}  {'method':<12} {'tok/s':>8} {'vs T-o':>8} {'vs best':>8} {'vs orac':>8} "
+          f"{'tok/step':>8} {'drft/st':>8} {'verf/st':>8} {'skipped':>7}")
+    results: dict[tuple[str, int], dict[str, Run]] = {}
+    turn = 0
+    for workload in args.workloads.split(","):
+        prompts = [encode_prompt(target.tokenizer, messages=p.chat()) for p in load_workload(workload)[: args.requests]]
+        for concurrency in concurrencies:
+            order = methods if turn % 2 == 0 else methods[::-1]
+            turn += 1
+            cell = {name: run(target, drafter, name, k, adaptive, prompts, args.max_tokens, concurrency, profile)
+                    for name, k, adaptive in order}
+            cell["oracle"] = oracle(cell["static K=8"], profile)
+            cell = {name: cell[name] for name, _, _ in methods} | {"oracle": cell["oracle"]}
+            results[(workload, concurrency)] = cell
+            print_cell(workload, concurrency, cell)
+    if args.plot:
+        plot(results, args.plot)
+        print(f"plot: {args.plot}")
+
+
+if __name__ == "__main__":
+    main()
