@@ -137,7 +137,8 @@ def _packaged_tokenizer(gguf_path: Path, converted: Path):
     for directory in (converted, saved):
         if (directory / "tokenizer.json").exists():
             return AutoTokenizer.from_pretrained(directory, local_files_only=True)
-    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, local_files_only=True)
+    with phase(f"reading the tokenizer of {gguf_path} (once; later runs load the copy saved beside it)"):
+        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, local_files_only=True)
     tmp = temp_path(saved)
     try:
         remove_stale_temps(saved)
