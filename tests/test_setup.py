@@ -1,4 +1,5 @@
-"""scripts/setup.sh: a failing pip stops the install loudly and marks nothing installed."""
+"""Installing: scripts/setup.sh stops loudly on a failing pip and marks nothing installed; benchmark-only
+dependencies are an extra, and a benchmark missing one says what to install."""
 
 from __future__ import annotations
 
@@ -39,3 +40,24 @@ def test_pip_failure_stops_setup_and_success_marks_it_installed(tmp_path, pip_ex
     else:
         assert result.returncode == 0, result.stderr
         assert stamp.exists() and "dependencies installed" in result.stderr
+
+
+def test_a_missing_benchmark_dependency_says_what_to_install(monkeypatch):
+    import importlib
+
+    from specav.bench import optional
+
+    real = importlib.import_module
+    monkeypatch.setattr(importlib, "import_module",
+                        lambda name, *a: (_ for _ in ()).throw(ImportError(name)) if name == "psutil" else real(name, *a))
+    with pytest.raises(SystemExit, match=r"specav bench forward needs psutil.*pip install 'psutil>=5.9'.*\[bench\]"):
+        optional.require("psutil", "specav bench forward")
+
+
+def test_psutil_is_a_benchmark_extra_and_python_is_not_capped():
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert not any(dep.startswith("psutil") for dep in project["dependencies"])
+    assert any(dep.startswith("psutil") for dep in project["optional-dependencies"]["bench"])
+    assert project["requires-python"] == ">=3.11"
