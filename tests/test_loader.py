@@ -197,7 +197,7 @@ def test_packaged_pair_recommends_qwens_sampling_without_assembling(monkeypatch)
 
 # ---------------------------------------------------------------- the bf16 conversion and the cache
 
-def test_a_killed_bf16_conversion_leaves_nothing_behind_after_the_next(tmp_path):
+def test_a_killed_bf16_conversion_leaves_nothing_behind_after_the_next(tmp_path, capsys):
     from tests.test_quant import write_tiny_gguf
 
     (tmp_path / "m").mkdir()
@@ -229,8 +229,11 @@ loader._convert_to_hf(Path({str(path)!r}), Path({str(out)!r}))
         proc.kill()
         proc.wait()
     assert list(out.parent.glob(".hf-bf16.*.tmp"))  # SIGKILL ran no cleanup: the temporary is there
+    capsys.readouterr()
     loader._convert_to_hf(path, out)
     assert not list(out.parent.glob(".hf-bf16.*.tmp"))
+    progress = capsys.readouterr().err
+    assert "specav: converting" in progress and "to bf16 safetensors" in progress and "done in" in progress
     converted = load_checkpoint(str(out), "fp32")
     assert converted.model.vocab_size == 96 and converted.tokenizer.get_vocab()
 

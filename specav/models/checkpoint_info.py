@@ -79,8 +79,11 @@ def inspect_checkpoint(path: str, role: str = "target") -> CheckpointInfo:
 
     The packaged pair is assembled first if it is not in the cache yet (packaged.assembled_gguf)."""
     if path == "default":
-        header = read_header(packaged.assembled_gguf(packaged.PACKAGED[role]))
-        return CheckpointInfo(path, *_gguf_shape(header), generation_defaults(path, role))
+        try:
+            gguf_path = packaged.assembled_gguf(packaged.PACKAGED[role])
+        except packaged.PackagedModelError as e:
+            raise CheckpointError(str(e)) from None
+        return CheckpointInfo(path, *_gguf_shape(read_header(gguf_path)), generation_defaults(path, role))
     p = Path(path).expanduser()
     if p.is_dir():
         config = _read_json(p / "config.json")

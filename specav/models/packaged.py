@@ -100,6 +100,7 @@ def assembled_gguf(model: PackagedModel) -> Path:
     what = f"the packaged model {model.name} ({format_size(expected_size)})"
     prepare_dir(directory, expected_size, what)
     remove_stale_temps(target)
+    remove_stale_temps(directory / "manifest.json")
     try:
         with phase(f"assembling {what} into {target}"):
             digest = _concatenate(chunks, target, expected_size)
