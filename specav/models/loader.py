@@ -129,8 +129,8 @@ def _load_packaged(model: packaged.PackagedModel, dtype: str) -> Checkpoint:
 
 def _packaged_tokenizer(gguf_path: Path, converted: Path):
     """The packaged model's tokenizer, from a directory it was saved to once: loading it from there
-    takes about a second, from the GGUF file's vocabulary arrays 10-40 s. Saved beside the GGUF the
-    first time (where the cache cannot take it, it loads from the GGUF file every time)."""
+    took 3 s on a busy 2-core machine, from the GGUF file's vocabulary arrays 12-37 s. Saved beside
+    the GGUF the first time (where the cache cannot take it, it loads from the GGUF file every time)."""
     from transformers import AutoTokenizer
 
     saved = gguf_path.parent / "tokenizer"
