@@ -15,22 +15,30 @@ from typing import Any, Mapping
 
 
 class ConfigError(ValueError):
-    """A configuration value is missing, unknown or out of range."""
+    """A configuration value is missing, unknown or out of range.
+
+    field: what is at fault, "<config>.<field>" (e.g. "SamplingParams.top_p") or "<config>" for
+    unknown keys, so a front end can name its own flag or JSON key for it.
+    """
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 def _check(ok: bool, where: str, name: str, value: Any, allowed: str) -> None:
     if not ok:
-        raise ConfigError(f"{where}.{name} = {value!r} is invalid: allowed {allowed}")
+        raise ConfigError(f"{where}.{name} = {value!r} is invalid: allowed {allowed}", f"{where}.{name}")
 
 
 def _from_mapping(cls, data: Mapping[str, Any], where: str):
     """Build a config dataclass from a mapping, rejecting unknown keys by name."""
     if not isinstance(data, Mapping):
-        raise ConfigError(f"{where} must be a JSON object, got {type(data).__name__}")
+        raise ConfigError(f"{where} must be a JSON object, got {type(data).__name__}", where)
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - names)
     if unknown:
-        raise ConfigError(f"{where}: unknown key(s) {unknown}; allowed keys are {sorted(names)}")
+        raise ConfigError(f"{where}: unknown key(s) {unknown}; allowed keys are {sorted(names)}", where)
     return cls(**data)
 
 
@@ -106,7 +114,8 @@ class SpeculativeConfig:
             try:
                 text = json.loads(text)
             except json.JSONDecodeError as e:
-                raise ConfigError(f"speculative_config is not valid JSON ({e}): {text!r}") from None
+                raise ConfigError(f"speculative_config is not valid JSON ({e}): {text!r}",
+                                  "speculative_config") from None
         return _from_mapping(cls, text, "speculative_config")
 
 

@@ -164,9 +164,24 @@ def test_kquant_refuses_what_it_cannot_run():
 
 
 def test_auto_works_without_native_kernels(monkeypatch, tmp_path):
+    import specav.models.quant_choice as choice
+
+    measured = []
+    monkeypatch.setattr(choice, "measure", lambda candidates: measured.append(set(candidates)) or fake_measure(candidates))
     monkeypatch.setattr(native, "available", lambda: False)
     assert not KERNELS["kquant"].supports(T.Q4_K)
     assert "kquant" not in MeasuredChoice(tmp_path / "p.json").plan(random_weight(T.Q4_K, n=64, k=256)).kernels
+    assert measured and "kquant" not in measured[0]
+
+
+def test_measure_times_each_candidate_at_each_row_count():
+    """The real timer (cache flushes and all), on one small layer and two row counts only."""
+    from specav.models.quant_choice import measure
+
+    weight = random_weight(T.Q4_K, n=64, k=256)
+    times = measure({k: KERNELS[k].pack(weight) for k in ("int4", "int8")}, rows=(1, 4))
+    assert set(times) == {"int4", "int8"}
+    assert all(len(t) == 2 and all(ms > 0 for ms in t) for t in times.values())
 
 
 @pytest.mark.parametrize("kernel", list(KERNELS))
@@ -236,9 +251,10 @@ def test_fixed_rule_is_exact_where_it_can_be():
 def test_measured_choice_is_cached_on_disk(tmp_path, monkeypatch):
     import specav.models.quant_choice as choice
 
+    monkeypatch.setattr(choice, "measure", fake_measure)
     path = tmp_path / "profile.json"
     weight = random_weight(T.Q4_K, n=64, k=256)
-    first = MeasuredChoice(path).plan(weight)  # really measures
+    first = MeasuredChoice(path).plan(weight)
     assert set(first.kernels) <= set(KERNELS) and path.exists()
     monkeypatch.setattr(choice, "measure", lambda candidates: pytest.fail("measured again despite the cache"))
     again = MeasuredChoice(path)

@@ -15,9 +15,9 @@ import resource
 import statistics
 import time
 
-import psutil
 import torch
 
+from specav.bench.optional import require
 from specav.models import load_checkpoint
 
 TOKEN_COUNTS = (1, 2, 4, 8, 16, 32, 64)
@@ -64,6 +64,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
+    psutil = require("psutil", "specav bench forward")
     rss0 = psutil.Process().memory_info().rss / 2**30
     start = time.perf_counter()
     target = load_checkpoint("default", args.dtype, role="target")

@@ -40,9 +40,9 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-import psutil
 import torch
 
+from specav.bench.optional import require
 from specav.cli import encode_prompt
 from specav.config import EngineConfig, SamplingParams, SpeculativeConfig
 from specav.drafting import DraftModelDrafter
@@ -221,6 +221,7 @@ def agreements(models: dict, results: dict[str, Result], prompts: list[list[int]
 
 def memory_child(dtype: str) -> None:
     """Runs in a fresh process: load the pair, run each once, print one JSON line."""
+    psutil = require("psutil", "specav bench quantized")
     rss0 = psutil.Process().memory_info().rss
     target = load_checkpoint("default", dtype, role="target")
     drafter = load_checkpoint("default", dtype, role="drafter")

@@ -35,6 +35,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -197,7 +198,12 @@ def _read_profile(path: Path) -> dict:
 def _write_profile(path: Path, machine: str, times: dict) -> None:
     data = _read_profile(path)
     data[machine] = times
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
-    os.replace(tmp, path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+        os.replace(tmp, path)
+    except OSError as e:  # a read-only or full cache: the times still serve this run
+        tmp.unlink(missing_ok=True)
+        print(f"specav: could not keep the kernel profile in {path} ({e.strerror or e}); set SPECAV_CACHE to a "
+              f"writable directory, or the kernels are timed again next run", file=sys.stderr)
