@@ -215,3 +215,33 @@ def test_compute_slot_features_agrees_with_the_functions():
         assert getattr(out, name).shape == (6,)
     with pytest.raises(ValueError, match="same shape"):
         compute_slot_features(logits, probs[:, :5], tokens)
+
+
+special = st.sampled_from([-INF, INF, math.nan, 60.0, -60.0, 0.0])
+slot_rows = st.lists(st.floats(-45, 45, width=32) | special, min_size=1, max_size=24)
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(st.lists(slot_rows, min_size=1, max_size=5).filter(lambda r: len({len(x) for x in r}) == 1),
+       st.sampled_from([torch.float32, torch.float64]))
+def test_compute_slot_features_shared_pass_equals_each_function(batch, dtype):
+    """The shared few-pass computation against the one-feature functions: masked entries, huge
+    logits, ties, q_max within 1e-30 of 1, +inf and NaN rows, V = 1."""
+    logits = torch.tensor(batch, dtype=dtype)
+    probs = torch.full_like(logits, 1.0 / logits.shape[1])
+    out = compute_slot_features(logits, probs, torch.zeros(len(batch), dtype=torch.int64))
+    tol = dict(atol=1e-9, rtol=1e-9) if dtype == torch.float64 else dict(atol=2e-5, rtol=1e-4)
+    for name, reference in (("logit_q_max", logit_q_max), ("q_max", q_max), ("entropy", entropy),
+                            ("top2_margin", top2_margin)):
+        torch.testing.assert_close(getattr(out, name), reference(logits), equal_nan=True, **tol,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_compute_slot_features_on_a_large_vocabulary():
+    logits = torch.randn(4, 151_936, generator=torch.Generator().manual_seed(0)) * 4
+    logits[1, 7] = 60.0  # q_max ~ 1 - 1e-20: logit(q_max) at the clamp
+    logits[2, 100:] = -INF  # a masked vocabulary
+    out = compute_slot_features(logits, torch.softmax(logits, -1), torch.tensor([0, 7, 3, 9]))
+    for name, reference in (("logit_q_max", logit_q_max), ("q_max", q_max), ("entropy", entropy),
+                            ("top2_margin", top2_margin)):
+        torch.testing.assert_close(getattr(out, name), reference(logits), atol=2e-5, rtol=1e-4)

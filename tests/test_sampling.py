@@ -154,6 +154,29 @@ def test_top_p_candidate_shortcut_equals_the_full_sort(batch):
 
 
 @PROPERTY
+@given(batches())
+def test_top_k_candidate_path_equals_the_dense_path(batch):
+    """Rows with a top-k are computed on their k candidates; the dense path is the reference."""
+    with mock.patch.object(sampling, "_SPARSE_TOP_K", 0):  # every row through the dense path
+        dense = processed_probs(*batch)
+    sparse = processed_probs(*batch)
+    torch.testing.assert_close(sparse, dense, atol=1e-6, rtol=0)
+    assert torch.equal(sparse > 0, dense > 0)
+
+
+def test_top_k_candidate_path_on_a_large_vocabulary_and_a_tie_beyond_k():
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 151_936, generator=gen) * 3
+    logits[2, :5] = 20.0  # five tokens tie for the top: top-k 3 must keep all five (dense path)
+    args = torch.tensor([0.7, 1.0, 1.0]), torch.tensor([20, 50, 3]), torch.tensor([0.8, 1.0, 1.0])
+    with mock.patch.object(sampling, "_SPARSE_TOP_K", 0):
+        dense = processed_probs(logits, *args)
+    sparse = processed_probs(logits, *args)
+    torch.testing.assert_close(sparse, dense, atol=1e-7, rtol=0)
+    assert int((sparse[1] > 0).sum()) == 50 and int((sparse[2] > 0).sum()) == 5
+
+
+@PROPERTY
 @given(batches(), st.integers(1, 12), st.integers(1, 12))
 def test_support_shrinks_with_top_k(batch, k1, k2):
     logits, temperature, _, top_p = batch

@@ -169,18 +169,40 @@ class SlotFeatures:
 
 def compute_slot_features(logits: torch.Tensor, probs: torch.Tensor, token_ids: torch.Tensor,
                           clamp: float = DEFAULT_CLAMP) -> SlotFeatures:
-    """All features of N slots.
+    """All features of N slots, in a few passes over the vocabulary (the drafter calls it per slot).
 
     logits: # [N, V] temperature-scaled, untruncated; probs: # [N, V] q_i (truncated);
     token_ids: # [N] draft tokens, -1 for padding.
+
+    One shared computation gives all four logit features: with m the largest logit and
+    S = sum over the other entries of exp(z - m), q_max = 1 / (1 + S), logit(q_max) = -log S,
+    entropy = log(1 + S) - sum_j exp(z_j - m) (z_j - m) / (1 + S), and the top-2 margin
+    (1 - exp(z_2 - m)) / (1 + S). Only the argmax entry is left out of S, as in logit_q_max.
+    Rows the shared form cannot take (a NaN, a +inf, no finite logit) use the functions above.
     """
     if logits.shape != probs.shape:
         raise ValueError(f"logits {tuple(logits.shape)} and probs {tuple(probs.shape)} "
                          "must have the same shape [N, V]")
-    return SlotFeatures(
-        logit_q_max=logit_q_max(logits, clamp),
-        q_max=q_max(logits),
-        entropy=entropy(logits),
-        top2_margin=top2_margin(logits),
+    z = _as_float(logits)
+    top = z.topk(min(2, z.shape[-1]), dim=-1)
+    m = top.values[..., :1]  # [N, 1]
+    d = (z - m).clamp_(min=-100.0)  # exp(-100) is far below what the clamp of logit(q_max) can see
+    e = d.exp()
+    e.scatter_(-1, top.indices[..., :1], 0.0)  # the argmax entry out of S
+    rest = e.sum(-1)  # S  # [N]
+    total = 1.0 + rest
+    second = top.values[..., 1] - m[..., 0] if z.shape[-1] > 1 else torch.full_like(rest, -math.inf)
+    features = SlotFeatures(
+        logit_q_max=(-torch.log(rest)).clamp(-clamp, clamp),
+        q_max=1.0 / total,
+        entropy=torch.log1p(rest) - torch.linalg.vecdot(e, d) / total,
+        top2_margin=(1.0 - second.exp()) / total,
         q_sampled=q_sampled(probs, token_ids),
     )
+    special = ~torch.isfinite(m[..., 0]) | torch.isnan(z).any(-1)  # [N]
+    if bool(special.any()):
+        z_special = logits[special]
+        for name, reference in (("logit_q_max", lambda x: logit_q_max(x, clamp)), ("q_max", q_max),
+                                ("entropy", entropy), ("top2_margin", top2_margin)):
+            getattr(features, name)[special] = reference(z_special).to(getattr(features, name).dtype)
+    return features

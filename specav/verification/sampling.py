@@ -54,12 +54,56 @@ def processed_probs(
     Greedy rows (temperature 0) are a one-hot at the argmax of the raw logits (first index on
     ties); top-k and top-p do not change them. The same call produces q_i from the drafter's
     logits and p_i from the target's (see the module docstring).
+
+    Rows with 0 < top_k <= _SPARSE_TOP_K (< V) are computed on their k candidates only (softmax
+    and nucleus over k values, then scattered into zeros), which costs one pass over the
+    vocabulary instead of a dozen; a row with a tie at its k-th value beyond k takes the dense
+    path, which keeps all tied tokens. Each row's path depends on that row alone, so a row's
+    result never depends on the rest of the batch.
     """
     scaled = temperature_logits(logits.float(), temperature)
-    scaled = _apply_top_k(scaled, top_k)
-    probs = torch.softmax(scaled, dim=-1)
-    probs = _apply_top_p(probs, top_p)
+    top_k = top_k.to(device=logits.device, dtype=torch.int64)
+    greedy = temperature.to(logits.device) == 0
+    sparse = (top_k > 0) & (top_k <= min(_SPARSE_TOP_K, logits.shape[-1] - 1)) & ~greedy
+    if not bool(sparse.any()):
+        return _apply_greedy(_dense_probs(scaled, top_k, top_p), logits, temperature)
+    probs = torch.empty_like(scaled)
+    dense = ~sparse
+    for k in top_k[sparse].unique().tolist():
+        rows = (sparse & (top_k == k)).nonzero().flatten()
+        part, untied = _top_k_candidate_probs(scaled[rows], k, top_p.to(logits.device)[rows])
+        probs[rows[untied]] = part[untied]
+        dense[rows[~untied]] = True
+    rows = dense.nonzero().flatten()
+    if rows.numel():
+        probs[rows] = _dense_probs(scaled[rows], top_k[rows], top_p.to(logits.device)[rows])
     return _apply_greedy(probs, logits, temperature)
+
+
+_SPARSE_TOP_K = 1024  # rows with 0 < top_k <= this are computed on their top-k candidates
+
+
+def _dense_probs(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Top-k mask, softmax over the vocabulary, nucleus: scaled # [n, V] -> probs # [n, V]."""
+    return _apply_top_p(torch.softmax(_apply_top_k(scaled, top_k), dim=-1), top_p)
+
+
+def _top_k_candidate_probs(scaled: torch.Tensor, k: int, top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """processed_probs of rows sharing one top_k = k, from their k largest logits only.
+
+    scaled: # [n, V] temperature-scaled logits; top_p: # [n]. Returns probs # [n, V] and which
+    rows it holds (# [n] bool): False where a token beyond the k largest ties with the k-th
+    (the dense path keeps every tied token) or where fewer than k logits are finite.
+    """
+    values, index = scaled.topk(k, dim=-1)  # [n, k], descending
+    untied = (scaled >= values[:, -1:]).sum(-1) == k  # [n]
+    probs = torch.softmax(values, dim=-1)  # [n, k]
+    nucleus = top_p < 1
+    if bool(nucleus.any()):
+        boundary, _ = _boundary_in_sorted(probs[nucleus], top_p[nucleus].double())
+        sub = probs[nucleus] * ((probs[nucleus] >= boundary) & (probs[nucleus] > 0))
+        probs[nucleus] = sub / sub.sum(-1, keepdim=True)
+    return torch.zeros_like(scaled).scatter_(1, index, probs), untied
 
 
 def sample(probs: torch.Tensor, generators: Sequence[torch.Generator]) -> torch.Tensor:
