@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Callable
 
 from specav.config import DTYPES, ConfigError, EngineConfig, ModelConfig, SamplingParams, SpeculativeConfig
+from specav.prompts import encode_prompt  # noqa: F401  (re-exported: bench modules import it from here)
 
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {}
 
@@ -60,21 +61,6 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
     return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                           max_tokens=args.max_tokens, seed=args.seed, stop=tuple(args.stop))
-
-
-def encode_prompt(tokenizer, prompt: str | None = None, messages: list[dict] | None = None,
-                  chat: bool = True) -> list[int]:
-    """Token ids for a plain prompt or chat messages (the chat template applies to both by default)."""
-    if messages is None:
-        if prompt is None:
-            raise ValueError("give a prompt or chat messages")
-        if not chat:
-            return tokenizer.encode(prompt)
-        messages = [{"role": "user", "content": prompt}]
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError("this tokenizer has no chat template: pass --raw to send the prompt as plain text")
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
 
 @command("generate")
