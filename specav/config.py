@@ -36,7 +36,17 @@ def _from_mapping(cls, data: Mapping[str, Any], where: str):
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
-    """Per-request sampling. temperature 0 means greedy; top_k 0 and top_p 1 mean no truncation."""
+    """Per-request sampling, with vLLM's names. temperature 0 means greedy; top_k 0 and top_p 1 mean
+    no truncation.
+
+    presence_penalty, frequency_penalty: OpenAI's penalties on the tokens generated so far (not
+        the prompt): logit[v] -= frequency_penalty * count[v] + presence_penalty * (count[v] > 0).
+    logit_bias: {token id: bias} added to the logits (OpenAI's range, [-100, 100]).
+    logprobs: None, or how many most likely tokens to report beside each generated token's own
+        log-probability (0: only its own), from the target's raw logits (vLLM's default mode).
+    Penalties and logit_bias apply to the drafter's and the target's logits alike (lossless);
+    requests that carry them are left out of the online estimator's statistics.
+    """
 
     temperature: float = 1.0
     top_k: int = 0
@@ -45,25 +55,75 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # a {token id: bias} mapping is accepted and sorted
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         w = "SamplingParams"
-        _check(math.isfinite(self.temperature) and self.temperature >= 0, w, "temperature",
-               self.temperature, "a finite number >= 0 (0 = greedy)")
-        _check(isinstance(self.top_k, int) and self.top_k >= 0, w, "top_k", self.top_k,
-               "an integer >= 0 (0 = off)")
-        _check(0 < self.top_p <= 1, w, "top_p", self.top_p, "a number in (0, 1]")
-        _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1, w, "max_tokens",
+        _check(_is_number(self.temperature) and math.isfinite(self.temperature) and self.temperature >= 0, w,
+               "temperature", self.temperature, "a finite number >= 0 (0 = greedy)")
+        _check(_is_int(self.top_k) and self.top_k >= 0, w, "top_k", self.top_k, "an integer >= 0 (0 = off)")
+        _check(_is_number(self.top_p) and 0 < self.top_p <= 1, w, "top_p", self.top_p, "a number in (0, 1]")
+        _check(_is_int(self.max_tokens) and self.max_tokens >= 1, w, "max_tokens",
                self.max_tokens, "an integer >= 1")
-        _check(self.seed is None or isinstance(self.seed, int), w, "seed", self.seed,
-               "an integer or null")
-        object.__setattr__(self, "stop", tuple(self.stop))
+        _check(self.seed is None or _is_int(self.seed), w, "seed", self.seed, "an integer or null")
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+        _check(isinstance(stop, (tuple, list)), w, "stop", self.stop, "a string or a list of strings")
+        object.__setattr__(self, "stop", tuple(stop))
         _check(all(isinstance(s, str) and s for s in self.stop), w, "stop", self.stop,
                "non-empty strings")
+        _check(isinstance(self.ignore_eos, bool), w, "ignore_eos", self.ignore_eos, "true or false")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(_is_number(value) and -2 <= value <= 2, w, name, value, "a number in [-2, 2]")
+        object.__setattr__(self, "logit_bias", self._normalised_bias(w))
+        _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS), w,
+               "logprobs", self.logprobs, f"null or an integer in [0, {MAX_LOGPROBS}]")
+
+    def _normalised_bias(self, w: str) -> tuple[tuple[int, float], ...]:
+        bias = self.logit_bias
+        items = bias.items() if isinstance(bias, Mapping) else bias
+        _check(isinstance(items, (tuple, list, type({}.items()))), w, "logit_bias", bias,
+               "a mapping of token ids to numbers")
+        out = {}
+        for pair in items:
+            ok = isinstance(pair, (tuple, list)) and len(pair) == 2
+            token, value = pair if ok else (None, None)
+            if isinstance(token, str) and token.strip().lstrip("-").isdigit():
+                token = int(token)  # JSON object keys are strings
+            _check(ok and _is_int(token) and token >= 0, w, "logit_bias", bias,
+                   "token ids that are integers >= 0")
+            _check(_is_number(value) and -100 <= value <= 100, w, f"logit_bias[{token}]", value,
+                   "a number in [-100, 100]")
+            out[int(token)] = float(value)
+        return tuple(sorted(out.items()))
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0
+
+    @property
+    def has_transforms(self) -> bool:
+        """Whether this request changes the model's logits itself (penalties, logit_bias): its
+        acceptance outcomes are not representative of other traffic."""
+        return self.has_penalties or bool(self.logit_bias)
+
+
+MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 DRAFT_METHODS = ("draft_model",)
