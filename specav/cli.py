@@ -1,4 +1,4 @@
-"""`specav generate | bench | eval`: the command line.
+"""`specav generate | serve | bench | eval`: the command line.
 
 Flags are derived from the config dataclasses: their defaults come from config.py, so the
 CLI never disagrees with the library.
@@ -15,6 +15,7 @@ from typing import Callable
 
 from specav.config import DTYPES, ConfigError, EngineConfig, ModelConfig, SamplingParams, SpeculativeConfig
 from specav.prompts import encode_prompt  # noqa: F401  (re-exported: bench modules import it from here)
+from specav.server.cli import add_serve_parser, cmd_serve
 
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {}
 
@@ -180,10 +181,15 @@ def build_parser() -> argparse.ArgumentParser:
                                                  "required with several logs)")
     rep.add_argument("--bins", type=int, default=15, help="ECE bins (equal width on [0, 1])")
 
+    add_serve_parser(sub, add_engine_flags)
+
     bench = sub.add_parser("bench", help="benchmark programs (print tables measured in one run)")
     bench.add_argument("benchmark", choices=sorted(BENCHMARKS))
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="the benchmark's own flags (see --help)")
     return parser
+
+
+COMMANDS["serve"] = cmd_serve
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -279,3 +279,39 @@ class EngineConfig:
     def __post_init__(self) -> None:
         _check(isinstance(self.max_batch_size, int) and self.max_batch_size >= 1, "engine",
                "max_batch_size", self.max_batch_size, "an integer >= 1")
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    """`specav serve`: where it listens, what it calls the model, who may use it, how much it queues.
+
+    served_model_name: names clients pass as `model` (empty: the model argument itself).
+    api_key: when set, every route but /health needs `Authorization: Bearer <api_key>`.
+    max_queued_requests: requests that may wait for a place in the running batch (max_num_seqs);
+        beyond them a request is answered 429. Default 64.
+    estimator_state: a file the online estimator's state is restored from on start (when it
+        exists) and saved to on shutdown (SIGTERM, SIGINT).
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: tuple[str, ...] = ()
+    api_key: str | None = None
+    max_queued_requests: int = 64
+    estimator_state: str | None = None
+
+    def __post_init__(self) -> None:
+        w = "server"
+        _check(isinstance(self.host, str) and bool(self.host), w, "host", self.host, "a host name or address")
+        _check(_is_int(self.port) and 0 <= self.port <= 65535, w, "port", self.port,
+               "an integer in [0, 65535] (0: any free port)")
+        names = (self.served_model_name,) if isinstance(self.served_model_name, str) else self.served_model_name
+        object.__setattr__(self, "served_model_name", tuple(names or ()))
+        _check(all(isinstance(n, str) and n for n in self.served_model_name), w, "served_model_name",
+               self.served_model_name, "non-empty names")
+        _check(self.api_key is None or (isinstance(self.api_key, str) and bool(self.api_key)), w, "api_key",
+               self.api_key, "a non-empty string or null")
+        _check(_is_int(self.max_queued_requests) and self.max_queued_requests >= 0, w, "max_queued_requests",
+               self.max_queued_requests, "an integer >= 0")
+        _check(self.estimator_state is None or (isinstance(self.estimator_state, str) and bool(self.estimator_state)),
+               w, "estimator_state", self.estimator_state, "a file path or null")

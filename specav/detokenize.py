@@ -19,6 +19,9 @@ precedes it (a SentencePiece word-start space) decodes as it reads in the full s
 `finish()` flushes what is still held back at the end of a request: bytes that never formed a
 character come out as U+FFFD, as a full decode would show them.
 
+`token_bytes` gives one token's own bytes (what OpenAI's logprobs report): for a byte-level
+tokenizer, the bytes its token string stands for, even when they are not a whole character.
+
 Must not know: requests, stop strings, models.
 """
 
@@ -103,3 +106,29 @@ def _tail(tokenizer, context: list[int], new: list[int], skip_special_tokens: bo
     """Text that `new` adds after `context` (both token ids)."""
     before = tokenizer.decode(context, skip_special_tokens=skip_special_tokens) if context else ""
     return tokenizer.decode(context + new, skip_special_tokens=skip_special_tokens)[len(before):]
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible map from bytes to printable characters (what byte-level vocabularies are written in)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("\u00a1"), ord("\u00ac") + 1)) + \
+        list(range(ord("\u00ae"), ord("\u00ff") + 1))
+    chars, n = list(printable), 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(printable, chars)}
+
+
+_BYTE_OF = {c: b for b, c in bytes_to_unicode().items()}
+
+
+def token_bytes(tokenizer, token_id: int) -> bytes:
+    """The bytes of one token: exact for byte-level tokenizers, else its decoded text in UTF-8."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and "ByteLevel" in repr(backend.decoder):
+        piece = backend.id_to_token(int(token_id))
+        if piece is not None and all(c in _BYTE_OF for c in piece):
+            return bytes(_BYTE_OF[c] for c in piece)
+    return tokenizer.decode([int(token_id)]).encode("utf-8")

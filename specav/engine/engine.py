@@ -254,7 +254,8 @@ class Engine:
                 continue
             request.abort()
             self._retire([request])
-            ended.append(StepOutput(request.request_id, [], request.text, "", True, request.finish_reason))
+            ended.append(StepOutput(request.request_id, [], request.text, "", True, request.finish_reason,
+                                    request.error))
         return ended
 
 
