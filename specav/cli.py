@@ -143,6 +143,7 @@ BENCHMARKS = {
     "calibration": "specav.bench.calibration",
     "report": "specav.bench.report_speed",
     "quantized": "specav.bench.quantized",
+    "serve": "specav.bench.serve",
 }
 
 

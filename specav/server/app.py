@@ -62,8 +62,6 @@ class _Tracker:
         if n:
             if self.last is None:
                 self.metrics.on_first_token(now - self.arrival)
-                if n > 1:
-                    self.metrics.on_tokens(0.0, n - 1)  # the rest of the first step's tokens came with it
             else:
                 self.metrics.on_tokens(now - self.last, n)
             self.last = now
@@ -324,13 +322,16 @@ class _ChatFormat:
                                    None, include_usage)
 
     def chunk(self, request_id: str, created: int, item: StepOutput, reason: str | None, include_usage: bool) -> dict:
-        logprobs = protocol.chat_logprobs(item.new_logprobs or [], self.decode, self.top, self.to_bytes) if self.logprobs else None
+        logprobs = self._logprobs(item.new_logprobs or [])
         delta = {"content": item.new_text} if item.new_text else {}
         return protocol.chat_chunk(request_id, self.model, created, delta, reason, logprobs, include_usage)
 
     def response(self, request_id: str, text: str, reason: str, tracker: _Tracker) -> dict:
-        logprobs = protocol.chat_logprobs(tracker.logprobs, self.decode, self.top, self.to_bytes) if self.logprobs else None
-        return protocol.chat_response(request_id, self.model, text, reason, logprobs, tracker.usage())
+        return protocol.chat_response(request_id, self.model, text, reason, self._logprobs(tracker.logprobs),
+                                      tracker.usage())
+
+    def _logprobs(self, tokens: list[TokenLogprob]) -> dict | None:
+        return protocol.chat_logprobs(tokens, self.decode, self.top, self.to_bytes) if self.logprobs else None
 
 
 # ---- errors and authentication -------------------------------------------------------------------

@@ -8,7 +8,8 @@ Owns: one CollectorRegistry per server (no process-wide state), filled from two 
                calibration figure: mean confidence against observed acceptance over the last
                `window` labelled slots (labels as estimator.md defines them, from the requests that
                teach the estimator: none with per-request logit transforms);
-    requests   the HTTP handlers: time to first token, inter-token latency (per token: the gap
+    requests   the HTTP handlers: time to first token, inter-token latency (per token after the
+               first output: the gap
                between two outputs divided by the tokens the later one brought), request latency,
                finish reasons, prompt and generated tokens.
 
