@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 
 import httpx
@@ -171,6 +172,30 @@ def test_eight_simultaneous_greedy_requests_get_what_each_gets_alone(server):
     single = after['specav_batch_size_bucket{le="1.0"}'] - before['specav_batch_size_bucket{le="1.0"}']
     steps = after["specav_batch_size_count"] - before["specav_batch_size_count"]
     assert single < steps  # the requests did share steps
+
+
+def test_a_step_in_progress_never_blocks_the_event_loop():
+    """While the engine thread is held inside a step, the server still answers (and queues requests)."""
+    engine = tiny_engine()
+    entered, gate = threading.Event(), threading.Event()
+
+    def hold(record):
+        entered.set()
+        gate.wait(60)
+
+    engine.step_listeners.append(hold)
+    with RunningServer(engine, ServerConfig(port=0)) as s:
+        with httpx.Client(base_url=s.url, timeout=20) as http, \
+                http.stream("POST", "/v1/completions", json={"prompt": "a", "max_tokens": 5, "stream": True}) as first:
+            assert entered.wait(20)  # the engine is inside its first step, and stays there
+            assert http.get("/health").json() == {"status": "ok"}
+            assert http.get("/v1/models").status_code == 200
+            with http.stream("POST", "/v1/completions", json={"prompt": "b", "max_tokens": 5, "stream": True}) as r:
+                assert r.status_code == 200 and s.app.state.engine_loop.num_live == 2
+                gate.set()
+                engine.step_listeners.remove(hold)
+                assert "".join(r.iter_lines()).endswith("data: [DONE]")
+            assert "".join(first.iter_lines()).endswith("data: [DONE]")
 
 
 # ---- metrics -------------------------------------------------------------------------------------------

@@ -9,9 +9,8 @@ Owns: one CollectorRegistry per server (no process-wide state), filled from two 
                `window` labelled slots (labels as estimator.md defines them, from the requests that
                teach the estimator: none with per-request logit transforms);
     requests   the HTTP handlers: time to first token, inter-token latency (per token after the
-               first output: the gap
-               between two outputs divided by the tokens the later one brought), request latency,
-               finish reasons, prompt and generated tokens.
+               first output: the gap between two outputs divided by the tokens the later one
+               brought), request latency, finish reasons, prompt and generated tokens.
 
 The estimator's slope and intercepts are read from `engine.scorer` when it is the online
 estimator (anything with `slope` and `intercepts`), after every step. Gauges are cumulative
