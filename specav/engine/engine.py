@@ -35,13 +35,13 @@ import torch
 
 from specav.acceptance.scorer import Scorer, make_scorer, score_drafts
 from specav.config import EngineConfig, SamplingParams
+from specav.detokenize import make_detokenizer
 from specav.drafting.base import Drafter, NoDrafter, make_drafter
 from specav.engine.scheduler import Scheduler
 from specav.engine.stats import EngineStats
 from specav.engine.target import TargetVerifier
 from specav.models.loader import check_same_vocabulary, load_checkpoint
 from specav.models.packed import PackedCausalLM
-from specav.detokenize import make_detokenizer
 from specav.request import Request, StepOutput, TokenLogprob
 from specav.types import AcceptResult, DraftBatch, Plan, Scores, StageTimes, StepRecord
 from specav.verification.cost_model import CostModel, CostProfile
