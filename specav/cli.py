@@ -1,4 +1,4 @@
-"""`specav generate | profile | bench | eval`: the command line.
+"""`specav generate | serve | profile | bench | eval`: the command line.
 
 Flags are derived from the config dataclasses: their defaults come from config.py, so the
 CLI never disagrees with the library. Sampling flags left out take the target checkpoint's
@@ -22,6 +22,8 @@ from pathlib import Path
 from typing import Callable
 
 from specav.config import DTYPES, EngineConfig, ModelConfig, SamplingParams, SpeculativeConfig
+from specav.prompts import encode_prompt
+from specav.server.cli import add_serve_parser, cmd_serve
 
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {}
 SAMPLING_FLAGS = ("temperature", "top_k", "top_p")  # default: the target's generation config
@@ -261,21 +263,6 @@ def check_context(num_prompt_tokens: int, max_tokens: int, contexts: dict[str, i
                 f"shorten it")
 
 
-def encode_prompt(tokenizer, prompt: str | None = None, messages: list[dict] | None = None,
-                  chat: bool = True) -> list[int]:
-    """Token ids for a plain prompt or chat messages (the chat template applies to both by default)."""
-    if messages is None:
-        if prompt is None:
-            raise ValueError("give a prompt or chat messages")
-        if not chat:
-            return tokenizer.encode(prompt)
-        messages = [{"role": "user", "content": prompt}]
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError("this tokenizer has no chat template: pass --raw to send the prompt as plain text")
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
-
-
 @command("generate")
 def cmd_generate(args: argparse.Namespace) -> int:
     checked = preflight(args)
@@ -368,6 +355,7 @@ BENCHMARKS = {
     "report": "specav.bench.report_speed",
     "quantized": "specav.bench.quantized",
     "adaptive": "specav.bench.adaptive",
+    "serve": "specav.bench.serve",
 }
 
 
@@ -418,6 +406,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                  "required with several logs)")
     rep.add_argument("--bins", type=int, default=15, help="ECE bins (equal width on [0, 1])")
 
+    add_serve_parser(sub, add_engine_flags)
+
     bench = sub.add_parser("bench", help="benchmark programs (print tables measured in one run)")
     bench.add_argument("benchmark", choices=sorted(BENCHMARKS))
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="the benchmark's own flags (see --help)")
@@ -432,6 +422,9 @@ def version() -> str:
         return installed_version("specav")
     except PackageNotFoundError:
         return "(not installed)"
+
+
+COMMANDS["serve"] = cmd_serve
 
 
 def main(argv: list[str] | None = None) -> int:

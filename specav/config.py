@@ -44,7 +44,17 @@ def _from_mapping(cls, data: Mapping[str, Any], where: str):
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
-    """Per-request sampling. temperature 0 means greedy; top_k 0 and top_p 1 mean no truncation."""
+    """Per-request sampling, with vLLM's names. temperature 0 means greedy; top_k 0 and top_p 1 mean
+    no truncation.
+
+    presence_penalty, frequency_penalty: OpenAI's penalties on the tokens generated so far (not
+        the prompt): logit[v] -= frequency_penalty * count[v] + presence_penalty * (count[v] > 0).
+    logit_bias: {token id: bias} added to the logits (OpenAI's range, [-100, 100]).
+    logprobs: None, or how many most likely tokens to report beside each generated token's own
+        log-probability (0: only its own), from the target's raw logits (vLLM's default mode).
+    Penalties and logit_bias apply to the drafter's and the target's logits alike (lossless);
+    requests that carry them are left out of the online estimator's statistics.
+    """
 
     temperature: float = 1.0
     top_k: int = 0
@@ -53,25 +63,75 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # a {token id: bias} mapping is accepted and sorted
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         w = "SamplingParams"
-        _check(math.isfinite(self.temperature) and self.temperature >= 0, w, "temperature",
-               self.temperature, "a finite number >= 0 (0 = greedy)")
-        _check(isinstance(self.top_k, int) and self.top_k >= 0, w, "top_k", self.top_k,
-               "an integer >= 0 (0 = off)")
-        _check(0 < self.top_p <= 1, w, "top_p", self.top_p, "a number in (0, 1]")
-        _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1, w, "max_tokens",
+        _check(_is_number(self.temperature) and math.isfinite(self.temperature) and self.temperature >= 0, w,
+               "temperature", self.temperature, "a finite number >= 0 (0 = greedy)")
+        _check(_is_int(self.top_k) and self.top_k >= 0, w, "top_k", self.top_k, "an integer >= 0 (0 = off)")
+        _check(_is_number(self.top_p) and 0 < self.top_p <= 1, w, "top_p", self.top_p, "a number in (0, 1]")
+        _check(_is_int(self.max_tokens) and self.max_tokens >= 1, w, "max_tokens",
                self.max_tokens, "an integer >= 1")
-        _check(self.seed is None or isinstance(self.seed, int), w, "seed", self.seed,
-               "an integer or null")
-        object.__setattr__(self, "stop", tuple(self.stop))
+        _check(self.seed is None or _is_int(self.seed), w, "seed", self.seed, "an integer or null")
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+        _check(isinstance(stop, (tuple, list)), w, "stop", self.stop, "a string or a list of strings")
+        object.__setattr__(self, "stop", tuple(stop))
         _check(all(isinstance(s, str) and s for s in self.stop), w, "stop", self.stop,
                "non-empty strings")
+        _check(isinstance(self.ignore_eos, bool), w, "ignore_eos", self.ignore_eos, "true or false")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(_is_number(value) and -2 <= value <= 2, w, name, value, "a number in [-2, 2]")
+        object.__setattr__(self, "logit_bias", self._normalised_bias(w))
+        _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS), w,
+               "logprobs", self.logprobs, f"null or an integer in [0, {MAX_LOGPROBS}]")
+
+    def _normalised_bias(self, w: str) -> tuple[tuple[int, float], ...]:
+        bias = self.logit_bias
+        items = bias.items() if isinstance(bias, Mapping) else bias
+        _check(isinstance(items, (tuple, list, type({}.items()))), w, "logit_bias", bias,
+               "a mapping of token ids to numbers")
+        out = {}
+        for pair in items:
+            ok = isinstance(pair, (tuple, list)) and len(pair) == 2
+            token, value = pair if ok else (None, None)
+            if isinstance(token, str) and token.strip().lstrip("-").isdigit():
+                token = int(token)  # JSON object keys are strings
+            _check(ok and _is_int(token) and token >= 0, w, "logit_bias", bias,
+                   "token ids that are integers >= 0")
+            _check(_is_number(value) and -100 <= value <= 100, w, f"logit_bias[{token}]", value,
+                   "a number in [-100, 100]")
+            out[int(token)] = float(value)
+        return tuple(sorted(out.items()))
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0
+
+    @property
+    def has_transforms(self) -> bool:
+        """Whether this request changes the model's logits itself (penalties, logit_bias): its
+        acceptance outcomes are not representative of other traffic."""
+        return self.has_penalties or bool(self.logit_bias)
+
+
+MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 DRAFT_METHODS = ("draft_model",)
@@ -151,9 +211,12 @@ class EstimatorConfig:
 class AdaptiveConfig:
     """Adaptive verification: how the planner drafts, trims and explores (verification/adaptive.py).
 
-    exploration: probability, per request and step, of drafting its whole block and verifying all
-        of it, drawn from the planner's own generator (never from the drafts), so deep positions
-        keep getting labels while trimming is aggressive. Default 0.02.
+    exploration: the share of compute spent exploring, on average. Each step every request, with
+        a probability drawn from the planner's own generator (never from the drafts), drafts its
+        whole block and has all of it verified, so deep positions keep getting labels while
+        trimming is aggressive. The probability is set per step from the cost model so that
+        exploring costs this share of the step's time whatever the concurrency (one exploring
+        request makes the whole batch wait for K drafter forwards). Default 0.01 (1%).
     probe_interval: steps a request that decided not to draft waits before it drafts one slot
         again to see whether drafting pays now; each probe that does not pay doubles the wait, up
         to max_probe_interval. Defaults 4 and 32.
@@ -164,7 +227,7 @@ class AdaptiveConfig:
     seed: seed of the exploration generator.
     """
 
-    exploration: float = 0.02
+    exploration: float = 0.01
     probe_interval: int = 4
     max_probe_interval: int = 32
     rate_halflife: float = 16.0
@@ -173,8 +236,9 @@ class AdaptiveConfig:
 
     def __post_init__(self) -> None:
         w = "adaptive"
-        _check(isinstance(self.exploration, (int, float)) and 0 <= self.exploration <= 1, w, "exploration",
-               self.exploration, "a probability in [0, 1]")
+        _check(isinstance(self.exploration, (int, float)) and math.isfinite(self.exploration)
+               and self.exploration >= 0, w, "exploration", self.exploration,
+               "a share of compute >= 0 (0.01 = 1%)")
         _check(isinstance(self.probe_interval, int) and self.probe_interval >= 1, w, "probe_interval",
                self.probe_interval, "an integer >= 1")
         _check(isinstance(self.max_probe_interval, int) and self.max_probe_interval >= self.probe_interval, w,
@@ -228,3 +292,39 @@ class EngineConfig:
     def __post_init__(self) -> None:
         _check(isinstance(self.max_batch_size, int) and self.max_batch_size >= 1, "engine",
                "max_batch_size", self.max_batch_size, "an integer >= 1")
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    """`specav serve`: where it listens, what it calls the model, who may use it, how much it queues.
+
+    served_model_name: names clients pass as `model` (empty: the model argument itself).
+    api_key: when set, every route but /health needs `Authorization: Bearer <api_key>`.
+    max_queued_requests: requests that may wait for a place in the running batch (max_num_seqs);
+        beyond them a request is answered 429. Default 64.
+    estimator_state: a file the online estimator's state is restored from on start (when it
+        exists) and saved to on shutdown (SIGTERM, SIGINT).
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: tuple[str, ...] = ()
+    api_key: str | None = None
+    max_queued_requests: int = 64
+    estimator_state: str | None = None
+
+    def __post_init__(self) -> None:
+        w = "server"
+        _check(isinstance(self.host, str) and bool(self.host), w, "host", self.host, "a host name or address")
+        _check(_is_int(self.port) and 0 <= self.port <= 65535, w, "port", self.port,
+               "an integer in [0, 65535] (0: any free port)")
+        names = (self.served_model_name,) if isinstance(self.served_model_name, str) else self.served_model_name
+        object.__setattr__(self, "served_model_name", tuple(names or ()))
+        _check(all(isinstance(n, str) and n for n in self.served_model_name), w, "served_model_name",
+               self.served_model_name, "non-empty names")
+        _check(self.api_key is None or (isinstance(self.api_key, str) and bool(self.api_key)), w, "api_key",
+               self.api_key, "a non-empty string or null")
+        _check(_is_int(self.max_queued_requests) and self.max_queued_requests >= 0, w, "max_queued_requests",
+               self.max_queued_requests, "an integer >= 0")
+        _check(self.estimator_state is None or (isinstance(self.estimator_state, str) and bool(self.estimator_state)),
+               w, "estimator_state", self.estimator_state, "a file path or null")

@@ -167,7 +167,6 @@ class StepRecord:
     verify_tokens: int  # tokens packed into the target's forward (pending tokens + admitted slots)
     verify_context: int  # cached positions the target's forward attended to, summed over requests
     prefill_tokens: int = 0  # prompt tokens of requests in their first step (prefilled by this step)
-    emitted: int = 0  # tokens the requests kept (after EOS / max_tokens / stop strings)
 
     @property
     def confidences(self) -> torch.Tensor:  # [B, K]

@@ -157,7 +157,7 @@ def test_stop_rule_continues_confident_requests_and_stops_doubtful_ones():
 
 
 def test_stop_rule_keeps_exploring_requests_whatever_their_features():
-    p = planner(4, exploration=1.0)
+    p = planner(4, exploration=1e9)  # a budget so large that every request explores
     plan = p.draft_plan(requests(2), [4, 4], [TargetShape(1, 10)] * 2)
     assert plan.explore.tolist() == [True, True]
     keep = plan.stop_rule.keep_drafting(0, [0, 1], {"logit_q_max": torch.tensor([-9.0, -9.0])})
@@ -192,16 +192,29 @@ def test_a_request_with_confident_history_drafts_and_one_without_does_not():
 
 
 def test_exploration_draws_come_from_the_planners_own_generator():
-    p = planner(4, exploration=0.5, seed=7)
-    draws = torch.cat([p.draft_plan(requests(3), [4, 4, 4], [TargetShape(1, 0)] * 3).explore for _ in range(20)])
-    expected = torch.cat([torch.rand(3, generator=g, dtype=torch.float64) < 0.5
-                          for g in [torch.Generator().manual_seed(7)] for _ in range(20)])
+    p = planner(4, exploration=2.0, seed=7)
+    shapes = [TargetShape(1, 0)] * 3
+    chance = p.exploration_probability(shapes)
+    assert 0.1 < chance < 0.9
+    draws = torch.cat([p.draft_plan(requests(3), [4, 4, 4], shapes).explore for _ in range(20)])
+    g = torch.Generator().manual_seed(7)
+    expected = torch.cat([torch.rand(3, generator=g, dtype=torch.float64) < chance for _ in range(20)])
     assert torch.equal(draws, expected)
     assert 0 < int(draws.sum()) < draws.numel()
 
 
+def test_exploration_costs_its_share_of_compute_at_any_concurrency():
+    p = planner(4, exploration=0.01)
+    for batch in (1, 4, 16):
+        shapes = [TargetShape(1, 0)] * batch
+        step = p.cost.verify_seconds(batch) + p.cost.overhead
+        block = 4 * p.cost.draft_seconds(1) + p.cost.verify_seconds(batch + 4) - p.cost.verify_seconds(batch)
+        assert batch * p.exploration_probability(shapes) * block == pytest.approx(0.01 * step)
+    assert planner(4, exploration=0.0).exploration_probability([TargetShape(1, 0)]) == 0.0
+
+
 def test_requests_at_max_tokens_draft_nothing_and_never_explore():
-    p = planner(4, exploration=1.0)
+    p = planner(4, exploration=1e9)
     plan = p.draft_plan(requests(2), [0, 3], [TargetShape(1, 0)] * 2)
     assert plan.num_slots == [0, 3] and plan.explore.tolist() == [False, True]
 

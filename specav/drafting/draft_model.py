@@ -71,7 +71,8 @@ class DraftModelDrafter:
             feed = [states[i].pending if slot == 0 else [int(token_ids[i, slot - 1])] for i in active]
             forwards.append((sum(len(f) for f in feed), sum(states[i].cache.length for i in active)))
             out = self.model.forward(feed, [states[i].cache for i in active], [1] * len(active))
-            rows = SamplingRows.of([requests[i] for i in active], [1] * len(active))
+            rows = SamplingRows.of([requests[i] for i in active], [1] * len(active),
+                                   [token_ids[i, :slot].tolist() for i in active], model="drafter")
             probs = rows.probs(out.logits)  # [A, V]
             tokens = sample(probs, rows.generators)  # [A]
             idx = torch.tensor(active)

@@ -10,7 +10,16 @@ lives in its own module; `Engine.step()` only calls them in order:
     verify     target.py             one packed target forward over pending tokens + admitted slots
     accept     verification/rejection.py   lossless rejection sampling over the ragged batch
     observe    labels to the scorer, measured times to the planner, the record to listeners
-    commit     caches rolled back past the emitted tokens, finished requests retired
+    commit     caches rolled back past the emitted tokens, text and stop rules, finished requests retired
+
+Request lifecycle. Request ids come from the caller (or are generated); a second live request
+with the same id is refused. `abort(request_id)` may be called from any thread: the request is
+finished (finish_reason "abort") at the next step boundary and its state freed in the verifier,
+the drafter and the planner, as for a request that finished by itself. A request whose logits
+turn out non-finite (sampling_rows.py) finishes with "error" in the step that found them; the
+other requests of the batch go on. Requests with per-request logit transforms (penalties,
+logit_bias) and failed ones are left out of the scorer's statistics: their acceptance outcomes
+say nothing about the rest of the traffic.
 
 Stage times (StepRecord.times) run from the plan to the observe stage: what the planner
 learns from. The step's whole time, commit included, goes to EngineStats.
@@ -19,19 +28,21 @@ learns from. The step's whole time, commit included, goes to EngineStats.
 from __future__ import annotations
 
 import time
+from collections import deque
 from typing import Callable, Sequence
 
 import torch
 
 from specav.acceptance.scorer import Scorer, make_scorer, score_drafts
 from specav.config import EngineConfig, SamplingParams
+from specav.detokenize import make_detokenizer
 from specav.drafting.base import Drafter, NoDrafter, make_drafter
 from specav.engine.scheduler import Scheduler
 from specav.engine.stats import EngineStats
 from specav.engine.target import TargetVerifier
 from specav.models.loader import check_same_vocabulary, load_checkpoint
 from specav.models.packed import PackedCausalLM
-from specav.request import Request, RequestOutput
+from specav.request import Request, StepOutput, TokenLogprob
 from specav.types import AcceptResult, DraftBatch, Plan, Scores, StageTimes, StepRecord
 from specav.verification.cost_model import CostModel, CostProfile
 from specav.verification.planner import Planner, make_planner
@@ -54,7 +65,9 @@ class Engine:
         self.scheduler = Scheduler(config.max_batch_size)
         self.planner = planner or self._make_planner(cost_profile)
         self.eos_ids = frozenset(eos_ids)
-        self.max_positions = target.config.max_position_embeddings
+        self.max_positions = _max_positions(target, self.drafter)
+        self.vocab_size = target.vocab_size
+        self._aborts: deque[str] = deque()  # ids to abort at the next step boundary (any thread appends)
         self.stats = EngineStats(self.num_slots)
         self.step_listeners: list[Callable[[StepRecord], None]] = []
 
@@ -106,16 +119,37 @@ class Engine:
 
     def add_request(self, prompt_ids: Sequence[int], params: SamplingParams = SamplingParams(),
                     request_id: str | None = None) -> Request:
-        request = Request(list(prompt_ids), params, **({"request_id": request_id} if request_id else {}))
+        """Queue a request; refuses a duplicate live id, a prompt + max_tokens beyond the context,
+        and logit_bias entries outside the vocabulary (ValueError naming the request)."""
+        prompt_ids = list(prompt_ids)
+        request = Request(prompt_ids, params, **({"request_id": request_id} if request_id else {}),
+                          detokenizer=make_detokenizer(self.tokenizer, prompt_ids))
+        if self.scheduler.get(request.request_id) is not None:
+            raise ValueError(f"request {request.request_id}: a live request already has this id; "
+                             "give each request a unique id (or none, to have one generated)")
         if len(request.prompt_ids) + params.max_tokens > self.max_positions:
             raise ValueError(f"request {request.request_id}: prompt ({len(request.prompt_ids)} tokens) + "
                              f"max_tokens ({params.max_tokens}) exceeds the model's {self.max_positions} "
                              f"positions; shorten the prompt or lower max_tokens")
+        outside = [t for t, _ in params.logit_bias if t >= self.vocab_size]
+        if outside:
+            raise ValueError(f"request {request.request_id}: logit_bias token ids {outside} are outside the "
+                             f"vocabulary (size {self.vocab_size})")
         self.scheduler.add(request)
         return request
 
+    def abort(self, request_id: str) -> None:
+        """Finish a live request at the next step boundary (finish_reason "abort") and free its
+        caches; an id that is not live by then is ignored. Safe to call from any thread."""
+        self._aborts.append(request_id)
+
+    @property
+    def num_live_requests(self) -> int:
+        """Requests added and not yet finished (waiting or running)."""
+        return self.scheduler.num_live
+
     def has_work(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or bool(self._aborts)
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]
                  ) -> list[Request]:
@@ -128,10 +162,11 @@ class Engine:
 
     # ---- the step -------------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[StepOutput]:
+        ended = self._end_aborted()
         batch = self.scheduler.schedule()
         if not batch:
-            return []
+            return ended
         clock = _Clock()
         shapes, max_slots = self.verifier.shapes(batch), self._max_slots(batch)
         draft_plan = self.planner.draft_plan(batch, max_slots, shapes)
@@ -147,7 +182,7 @@ class Engine:
                             sum(s.pending for s in shapes) + plan.admitted.total, sum(s.context for s in shapes),
                             sum(s.pending for s, r in zip(shapes, batch) if not r.output_ids))
         self._observe(record)
-        return self._commit(record, clock)
+        return ended + self._commit(record, clock)
 
     def _max_slots(self, batch: Sequence[Request]) -> list[int]:
         """K per request, never more than it can still emit (each step also emits one token)."""
@@ -165,28 +200,92 @@ class Engine:
 
     def _observe(self, record: StepRecord) -> None:
         if self.scorer is not None:
-            self.scorer.observe(record.scores.features, record.num_admitted, record.num_accepted)
+            self._observe_scorer(record)
         self.planner.observe(record)
         for listener in self.step_listeners:
             listener(record)
 
-    def _commit(self, record: StepRecord, clock: "_Clock") -> list[RequestOutput]:
+    def _observe_scorer(self, record: StepRecord) -> None:
+        """Labels to the scorer, from the representative requests only (see the module docstring)."""
+        rows = [b for b, r in enumerate(record.requests) if representative(r)]
+        if not rows:
+            return
+        features, admitted, accepted = record.scores.features, record.num_admitted, record.num_accepted
+        if len(rows) < len(record.requests):
+            keep = torch.tensor(rows, dtype=torch.int64)
+            features, admitted, accepted = features[keep], admitted[keep], accepted[keep]
+        self.scorer.observe(features, admitted, accepted)
+
+    def _commit(self, record: StepRecord, clock: "_Clock") -> list[StepOutput]:
         batch, result = record.requests, record.result
         self.verifier.commit(batch, record.num_admitted.tolist(), result)
         self.drafter.commit(batch, record.drafts, result)
-        outputs = []
-        for request, tokens in zip(batch, result.output_tokens):
+        drafted, admitted = record.drafts.num_drafted.tolist(), record.num_admitted.tolist()
+        outputs, emitted = [], 0
+        for b, (request, tokens) in enumerate(zip(batch, result.output_tokens)):
+            shown = len(request.text)
             kept = request.append(tokens, self.eos_ids)
-            record.emitted += len(kept)
-            request.update_text(self.tokenizer.decode(request.output_ids, skip_special_tokens=True))
-            outputs.append(RequestOutput(request.request_id, kept, request.text, request.finished,
-                                         request.finish_reason))
-        for request in self.scheduler.retire():
+            emitted += len(kept)
+            stats = request.stats
+            stats.steps += 1
+            stats.drafted += drafted[b]
+            stats.admitted += admitted[b]
+            stats.accepted += int(result.num_accepted[b])
+            outputs.append(StepOutput(request.request_id, kept, request.text, request.text[shown:],
+                                      request.finished, request.finish_reason, request.error,
+                                      _kept_logprobs(request, kept)))
+        self._retire(self.scheduler.retire())
+        self.stats.record(record, emitted, clock.times().total)
+        return outputs
+
+    def _retire(self, requests: Sequence[Request]) -> None:
+        """Free a finished request's state in every stage that keeps one."""
+        for request in requests:
             self.verifier.release(request)
             self.drafter.release(request)
             self.planner.release(request)
-        self.stats.record(record, clock.times().total)
-        return outputs
+
+    def _end_aborted(self) -> list[StepOutput]:
+        """Finish the requests aborted since the last step (the step boundary) and free them."""
+        ended = []
+        while self._aborts:
+            request = self.scheduler.remove(self._aborts.popleft())
+            if request is None:
+                continue
+            request.abort()
+            self._retire([request])
+            ended.append(StepOutput(request.request_id, [], request.text, "", True, request.finish_reason,
+                                    request.error))
+        return ended
+
+
+def representative(request: Request) -> bool:
+    """Whether a request's acceptance outcomes may teach the shared scorer: no per-request logit
+    transforms, and no fault."""
+    return not request.params.has_transforms and request.error is None
+
+
+def _kept_logprobs(request: Request, kept: Sequence[int]) -> list[TokenLogprob] | None:
+    """The target's log-probabilities of the kept tokens (row j of this step's rows: token j)."""
+    rows, request.target_logprobs = request.target_logprobs, None
+    if request.logprobs is None or rows is None:
+        return None
+    n = request.params.logprobs
+    new = []
+    for j, token in enumerate(kept):
+        top = rows[j].topk(n) if n else None
+        pairs = tuple(zip(top.indices.tolist(), top.values.tolist())) if top is not None else ()
+        new.append(TokenLogprob(int(token), float(rows[j, token]), pairs))
+    request.logprobs.extend(new)
+    return new
+
+
+def _max_positions(target: PackedCausalLM, drafter: Drafter) -> int:
+    """Positions a request may reach: the target's, and the drafter model's if it has fewer."""
+    positions = target.config.max_position_embeddings
+    model = getattr(drafter, "model", None)
+    config = getattr(model, "config", None)
+    return min(positions, getattr(config, "max_position_embeddings", positions) or positions)
 
 
 class _Clock:

@@ -1,7 +1,8 @@
 """Continuous batching: which requests run in the next step.
 
 Owns: the waiting queue and the running set, admitting waiting requests up to the batch
-limit between steps and retiring finished ones.
+limit between steps, retiring finished ones, and finding or removing a live request by id
+(abort). Request ids are unique among live requests (the engine refuses a duplicate).
 
 Must not know: models, drafting or verification.
 """
@@ -33,6 +34,25 @@ class Scheduler:
         done = [r for r in self.running if r.finished]
         self.running = [r for r in self.running if not r.finished]
         return done
+
+    def get(self, request_id: str) -> Request | None:
+        """The live (waiting or running) request with this id, if any."""
+        return next((r for r in (*self.running, *self.waiting) if r.request_id == request_id), None)
+
+    def remove(self, request_id: str) -> Request | None:
+        """Take a live request out of the queue or the running set; returns it (None if not live)."""
+        request = self.get(request_id)
+        if request is None:
+            return None
+        if request in self.running:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        return request
+
+    @property
+    def num_live(self) -> int:
+        return len(self.waiting) + len(self.running)
 
     @property
     def has_work(self) -> bool:

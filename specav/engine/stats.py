@@ -37,12 +37,13 @@ class EngineStats:
         self.reached = torch.zeros(self.num_slots, dtype=torch.int64)
         self.accepted_at = torch.zeros(self.num_slots, dtype=torch.int64)
 
-    def record(self, record: StepRecord, seconds: float) -> None:
-        """One step; seconds: its whole time, commit included."""
+    def record(self, record: StepRecord, emitted: int, seconds: float) -> None:
+        """One step; emitted: the tokens its requests kept (after EOS, max_tokens, stop strings);
+        seconds: its whole time, commit included."""
         num_admitted, num_accepted = record.num_admitted, record.num_accepted
         self.steps += 1
         self.request_steps += len(record.requests)
-        self.emitted_tokens += record.emitted
+        self.emitted_tokens += emitted
         self.drafted += int(record.drafts.num_drafted.sum())
         self.admitted += int(num_admitted.sum())
         self.accepted += int(num_accepted.sum())
@@ -52,7 +53,7 @@ class EngineStats:
             self.prefill_steps += 1
             self.prefill_tokens += record.prefill_tokens
             self.prefill_seconds += seconds
-            self.prefill_emitted += record.emitted
+            self.prefill_emitted += emitted
         if record.plan.predicted is not None:
             self.predicted_seconds += record.plan.predicted.total
             self.predicted_measured_seconds += record.times.total

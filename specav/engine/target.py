@@ -59,7 +59,7 @@ class TargetVerifier:
         out = self.model.forward(feed, [s.cache for s in states], num_logits)
         for s in states:
             s.pending = []
-        return SamplingRows.of(requests, num_logits).probs(out.logits)
+        return SamplingRows.of(requests, num_logits, admitted, model="target").probs(out.logits)
 
     def commit(self, requests: Sequence[Request], num_admitted: Sequence[int], result: AcceptResult) -> None:
         for b, request in enumerate(requests):

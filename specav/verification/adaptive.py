@@ -31,9 +31,10 @@ Rules (survival s_i = product of a request's confidences 1..i, architecture.md):
   above it, which are other requests' slots and its own shallower ones: lossless. (An argmax
   over budgets would look at the request's deeper slots and is lossy: tests/test_adaptive.py
   shows the distribution tests catch it.)
-* Explore. With probability `exploration` per request and step, drawn from the planner's own
-  generator (never from the drafts), a request drafts and verifies its whole block, so deep
-  positions keep getting labels while the rules above trim.
+* Explore. Each step every request, with a probability drawn from the planner's own generator
+  (never from the drafts), drafts and verifies its whole block, so deep positions keep getting
+  labels while the rules above trim. The probability is set from the cost model so exploring
+  takes the configured share of compute (`exploration`) at any concurrency.
 
 Must not know: models, the rejection sampler, the engine, the server.
 """
@@ -148,6 +149,17 @@ class AdaptivePlanner:
     def price(self, shapes: Sequence[TargetShape]) -> float:
         return max(1.0, self.speedup) * self.target_only_rate(shapes)
 
+    def exploration_probability(self, shapes: Sequence[TargetShape]) -> float:
+        """Per request this step: exploring then costs `exploration` x the step's time on average
+        (a block is K drafter forwards and K more verified tokens, priced as if nothing else drafted)."""
+        if self.config.exploration <= 0 or not shapes:
+            return 0.0
+        pending, context = sum(s.pending for s in shapes), sum(s.context for s in shapes)
+        step = self.cost.verify_seconds(pending, context) + self.cost.overhead
+        block = self.num_slots * self.cost.draft_seconds(1) + \
+            self.cost.verify_seconds(pending + self.num_slots, context) - self.cost.verify_seconds(pending, context)
+        return min(1.0, self.config.exploration * step / (len(shapes) * max(block, 1e-12)))
+
     def choose(self, gains: list[float], tokens: list[int], committed_tokens: int, price: float,
                verify_tokens: int, context: int) -> list[int]:
         """Indices of the candidates that join the next drafter forward (the draft rule)."""
@@ -163,7 +175,8 @@ class AdaptivePlanner:
                    shapes: Sequence[TargetShape]) -> DraftPlan:
         b = len(requests)
         price = self.price(shapes)
-        explore = (torch.rand(b, generator=self.generator, dtype=torch.float64) < self.config.exploration)
+        explore = torch.rand(b, generator=self.generator, dtype=torch.float64) < \
+            self.exploration_probability(shapes)
         explore &= torch.tensor([m > 0 for m in max_slots], dtype=torch.bool)
         num_slots = [0] * b
         forced: list[int] = []

@@ -11,6 +11,15 @@ lossless with respect to the processed target distribution p_i, so the two sides
 through this one function; any other transform of q alone would only lower acceptance, any
 other transform of p would change what "the target" means.
 
+Non-finite logits. A row with a NaN or +inf logit, or with no finite logit, has no
+distribution: argmax over NaN picks an arbitrary token and softmax turns it into NaN weights.
+`processed_probs` refuses such rows (`NonFiniteLogitsError`, naming them) and `sample` refuses
+weights that are not a distribution; -inf alone only masks a token. The caller that knows which
+request owns a row (sampling_rows.py) checks first and fails that request alone.
+
+Per-request logit transforms (`apply_penalties`, `apply_logit_bias`) run before temperature, on
+the drafter's and the target's logits alike, for the same reason as above.
+
 It must not know about models, the engine, requests or the rejection sampler, and it never
 touches the global RNG.
 """
@@ -20,6 +29,44 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
+
+
+class NonFiniteLogitsError(ValueError):
+    """Rows of logits with NaN or +inf entries, or no finite entry: there is no distribution to sample."""
+
+    def __init__(self, rows: Sequence[int]) -> None:
+        self.rows = list(rows)
+        super().__init__(f"logits rows {self.rows} hold NaN or +inf (or no finite value); refusing to sample "
+                         "from them")
+
+
+def non_finite_rows(logits: torch.Tensor) -> torch.Tensor:
+    """Rows that have no distribution: a NaN or +inf logit, or no finite logit.  # [N, V] -> [N] bool
+
+    One reduction: a row's max is NaN if it holds a NaN, +inf if it holds +inf, -inf if nothing
+    in it is finite, and finite otherwise.
+    """
+    return ~torch.isfinite(logits.amax(dim=-1))
+
+
+def apply_penalties(logits: torch.Tensor, counts: torch.Tensor, presence: torch.Tensor,
+                    frequency: torch.Tensor) -> torch.Tensor:
+    """OpenAI's presence and frequency penalties: logit[v] - frequency * count[v] - presence * (count[v] > 0).
+
+    logits:    # [N, V] float32
+    counts:    # [N, V] float32, how often each token occurs in the output the row conditions on
+    presence:  # [N] float32
+    frequency: # [N] float32
+    returns:   # [N, V] float32
+    """
+    return logits - frequency[:, None] * counts - presence[:, None] * (counts > 0).to(logits.dtype)
+
+
+def apply_logit_bias(logits: torch.Tensor, token_ids: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """logits # [N, V] with bias # [M] added at token_ids # [M] int64 of every row."""
+    out = logits.clone()
+    out[:, token_ids] += bias.to(logits.dtype)
+    return out
 
 
 def temperature_logits(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
@@ -53,7 +100,8 @@ def processed_probs(
 
     Greedy rows (temperature 0) are a one-hot at the argmax of the raw logits (first index on
     ties); top-k and top-p do not change them. The same call produces q_i from the drafter's
-    logits and p_i from the target's (see the module docstring).
+    logits and p_i from the target's (see the module docstring). Rows without a distribution
+    (`non_finite_rows`) raise NonFiniteLogitsError.
 
     Rows with 0 < top_k <= _SPARSE_TOP_K (< V) are computed on their k candidates only (softmax
     and nucleus over k values, then scattered into zeros), which costs one pass over the
@@ -61,6 +109,9 @@ def processed_probs(
     path, which keeps all tied tokens. Each row's path depends on that row alone, so a row's
     result never depends on the rest of the batch.
     """
+    bad = non_finite_rows(logits)
+    if bool(bad.any()):
+        raise NonFiniteLogitsError(bad.nonzero().flatten().tolist())
     scaled = temperature_logits(logits.float(), temperature)
     top_k = top_k.to(device=logits.device, dtype=torch.int64)
     greedy = temperature.to(logits.device) == 0
