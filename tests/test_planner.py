@@ -169,7 +169,7 @@ def test_no_draft_then_probe_with_a_doubling_wait():
     and waits twice as long after each probe that does not lead to slot 2."""
     p = planner(4, probe_interval=2, max_probe_interval=8)
     request = requests(1)[0]
-    p.history[request.request_id] = h = type(p._history(request))(feature=-6.0, interval=2, probing=False)
+    p.history[request.request_id] = h = type(p._history(request))(feature_sum=-600.0, feature_count=100.0, interval=2, probing=False)
     decided = []
     for step in range(30):
         plan = p.draft_plan([request], [4], [TargetShape(1, 10)])
@@ -185,8 +185,8 @@ def test_no_draft_then_probe_with_a_doubling_wait():
 def test_a_request_with_confident_history_drafts_and_one_without_does_not():
     p = planner(4)
     good, bad = requests(2)
-    p.history[good.request_id] = type(p._history(good))(feature=6.0, probing=False)
-    p.history[bad.request_id] = type(p._history(bad))(feature=-6.0, probing=False)
+    p.history[good.request_id] = type(p._history(good))(feature_sum=600.0, feature_count=100.0, probing=False)
+    p.history[bad.request_id] = type(p._history(bad))(feature_sum=-600.0, feature_count=100.0, probing=False)
     plan = p.draft_plan([good, bad], [4, 4], [TargetShape(1, 10)] * 2)
     assert plan.num_slots == [4, 0]
 
@@ -240,3 +240,14 @@ def test_price_is_never_below_the_target_only_rate():
     assert p.price(shapes) == pytest.approx(p.target_only_rate(shapes))
     p.speedup = 2.0
     assert p.price(shapes) == pytest.approx(2 * p.target_only_rate(shapes))
+
+
+def test_one_odd_slot_is_shrunk_toward_the_population_and_many_are_not():
+    p = planner(4)
+    p.population_feature = 6.0  # the traffic drafts confidently
+    odd, doubtful = requests(2)
+    p.history[odd.request_id] = type(p._history(odd))(feature_sum=-6.0, feature_count=1.0)
+    p.history[doubtful.request_id] = type(p._history(doubtful))(feature_sum=-60.0, feature_count=10.0)
+    assert p._predictor(p.history[odd.request_id]) == pytest.approx((-6.0 + 2 * 6.0) / 3)
+    plan = p.draft_plan([odd, doubtful], [4, 4], [TargetShape(1, 10)] * 2)
+    assert plan.num_slots == [4, 0]

@@ -55,14 +55,16 @@ from specav.types import DraftBatch, Plan, Scores, StepRecord
 from specav.verification.cost_model import CostModel, _decay
 from specav.verification.planner import DraftPlan, TargetShape, register
 
-_HISTORY_WEIGHT = 0.5  # weight of this step's mean slot feature in a request's feature history
+_HISTORY_DECAY = 0.7  # per step: how much of a request's feature evidence carries into the next step
+_PRIOR_SLOTS = 2.0  # the population's features count as this many of the request's own slots
 
 
 @dataclass(slots=True)
 class _History:
     """What the planner remembers of one request between steps."""
 
-    feature: float = math.nan  # recent slot feature (EMA over steps of the mean drafted feature)
+    feature_sum: float = 0.0  # decayed sum of the request's drafted slot features
+    feature_count: float = 0.0  # decayed count of them
     wait: int = 0  # steps left before it may draft again
     interval: int = 1  # the wait after its next probe that does not pay
     probing: bool = False  # its next slot 1 is drafted whatever the rule says (after a wait)
@@ -142,8 +144,9 @@ class AdaptivePlanner:
     # ---- the price of compute -------------------------------------------------------
 
     def target_only_rate(self, shapes: Sequence[TargetShape]) -> float:
-        """Tokens per second of a target-only step over these requests, as the cost model predicts it."""
-        seconds = self.cost.verify_seconds(sum(s.pending for s in shapes), sum(s.context for s in shapes))
+        """Tokens per second of target-only decoding of these requests, as the cost model predicts it:
+        one token each over their contexts (a prefill step's slow rate is not the price of time)."""
+        seconds = self.cost.verify_seconds(len(shapes), sum(s.context + s.pending - 1 for s in shapes))
         return len(shapes) / max(seconds + self.cost.overhead, 1e-9)
 
     def price(self, shapes: Sequence[TargetShape]) -> float:
@@ -155,7 +158,7 @@ class AdaptivePlanner:
         if self.config.exploration <= 0 or not shapes:
             return 0.0
         pending, context = sum(s.pending for s in shapes), sum(s.context for s in shapes)
-        step = self.cost.verify_seconds(pending, context) + self.cost.overhead
+        step = len(shapes) / self.target_only_rate(shapes)  # a decoding step, not this step's prefill
         block = self.num_slots * self.cost.draft_seconds(1) + \
             self.cost.verify_seconds(pending + self.num_slots, context) - self.cost.verify_seconds(pending, context)
         return min(1.0, self.config.exploration * step / (len(shapes) * max(block, 1e-12)))
@@ -266,9 +269,10 @@ class AdaptivePlanner:
             drafted = int(record.drafts.num_drafted[b])
             h = self._history(request)
             if drafted:
-                mean = float(features[b, :drafted].nan_to_num(nan=0.0).mean())
-                h.feature = mean if math.isnan(h.feature) else \
-                    _HISTORY_WEIGHT * mean + (1 - _HISTORY_WEIGHT) * h.feature
+                own = features[b, :drafted]
+                own = own[~torch.isnan(own)]
+                h.feature_sum = _HISTORY_DECAY * h.feature_sum + float(own.sum())
+                h.feature_count = _HISTORY_DECAY * h.feature_count + own.numel()
             if h.probing and drafted:
                 h.probing = False
                 if drafted >= 2 or drafted >= record.max_slots[b]:
@@ -281,8 +285,11 @@ class AdaptivePlanner:
         self.history.pop(request.request_id, None)
 
     def _predictor(self, h: _History) -> float:
-        """The feature that predicts a request's next slot 1: its own history, else the population's."""
-        return self.population_feature if math.isnan(h.feature) else h.feature
+        """The feature that predicts a request's next slot 1: its recent slot features, shrunk toward
+        the population's (which count as _PRIOR_SLOTS slots), so one odd slot does not stop a request."""
+        if math.isnan(self.population_feature):
+            return h.feature_sum / h.feature_count if h.feature_count else math.nan
+        return (h.feature_sum + _PRIOR_SLOTS * self.population_feature) / (h.feature_count + _PRIOR_SLOTS)
 
     def _history(self, request: Request) -> _History:
         h = self.history.get(request.request_id)
