@@ -212,8 +212,8 @@ class EstimatorConfig:
     damping_n0: float = 50.0
     ridge: float = 1e-3
     feature_clamp: float = 40.0
-    init_slope: float = 1.0
-    init_intercept: float = 0.0
+    init_slope: float = 0.68
+    init_intercept: float = -0.06
 
     def __post_init__(self) -> None:
         w = "estimator"

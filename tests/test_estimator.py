@@ -156,7 +156,7 @@ def test_approaches_the_offline_mle(online_run: Run, mle: np.ndarray):
         np.testing.assert_allclose(recent[1:], mle[1:], atol=0.12)
         assert -1e-9 < gap < 0.005
     else:  # pooled: the final parameters themselves sit on the MLE of all the data
-        np.testing.assert_allclose(final, mle, atol=0.05)
+        np.testing.assert_allclose(final, mle, atol=0.03)
         assert -1e-9 < gap < 0.0005
 
 
@@ -183,8 +183,8 @@ def test_tracks_a_change_in_both_modes():
         for t in range(3000):
             observe(est, draw_step(rng, intercepts=before if t < shift_at else after))
         errors[name] = np.abs(est.intercepts.numpy() - after).mean()
-    assert errors["pooled"] <= 0.1
-    assert errors["windowed"] <= 0.2  # one interval's labels: it follows, noisily
+    assert errors["pooled"] <= 0.05  # the goal is 0.1
+    assert errors["windowed"] <= 0.1  # one interval's labels: it follows, noisily
     assert errors["no forgetting"] > 0.2  # negative control: remembering everything cannot follow
 
 

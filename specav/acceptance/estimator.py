@@ -64,6 +64,7 @@ from specav.config import EstimatorConfig
 _DTYPE = torch.float64
 # Rows of a statistics tensor # [6, K]: sums over labelled slots at position i of
 _STATS = ("a", "b", "c", "g0", "g1", "n")  # w f^2, w f, w, r f, r, count  (w = p(1-p), r = y - p)
+_MIN_TEST_WEIGHT = 10.0  # sum of p(1-p) per position, each side, before the change test uses it
 STATE_FORMAT = 2  # state_dict layout: 1 = the seed's (no pooled statistics), 2 = this one
 
 
@@ -385,20 +386,24 @@ class OnlineAcceptanceEstimator:
     def _changed(self, pooled: torch.Tensor) -> bool:
         """Do the pending labels contradict the pooled fit? (pooled mode; see the module doc)
 
-        z_i = g1_i / sqrt(c_i (1 + c_i / C_i)): the interval's residual sum at position i,
-        standardised by its variance under the current parameters (c_i) plus their own
-        uncertainty (C_i, the pooled weight). sum z_i^2 ~ chi^2 with one degree of freedom per
-        position with labels; a change is declared above dof + change_z * sqrt(2 dof).
+        Per position i, a two-sample test of calibration: the interval's mean residual
+        g1_i / c_i against the pool's G1_i / C_i (zero once a full step has been taken), both
+        at the current parameters, z_i = (g1_i / c_i - G1_i / C_i) / sqrt(1 / c_i + 1 / C_i).
+        sum z_i^2 ~ chi^2 with one degree of freedom per position whose weight (sum of p(1-p))
+        is at least _MIN_TEST_WEIGHT on both sides, so the normal approximation holds (no test
+        in the first refits of a cold start); a change is declared above dof + change_z *
+        sqrt(2 dof). O(K).
         """
         z = self.config.change_z
         if not math.isfinite(z):
             return False
-        c, g1, big_c = self._stats[2], self._stats[4], pooled[2]
-        used = (c > 0) & (big_c > 0)
+        c, g1, big_c, big_g1 = self._stats[2], self._stats[4], pooled[2], pooled[4]
+        used = (c >= _MIN_TEST_WEIGHT) & (big_c >= _MIN_TEST_WEIGHT)
         dof = int(used.sum())
         if dof == 0:
             return False
-        stat = (g1[used] ** 2 / (c[used] * (1 + c[used] / big_c[used]))).sum()
+        c, g1, big_c, big_g1 = c[used], g1[used], big_c[used], big_g1[used]
+        stat = ((g1 - c * big_g1 / big_c) ** 2 / (c * (1 + c / big_c))).sum()
         return bool(stat > dof + z * math.sqrt(2 * dof))
 
     def _damped(self, step: NewtonStep, counts: torch.Tensor, n: float, n_pending: float
@@ -455,6 +460,7 @@ class OnlineAcceptanceEstimator:
             "total_steps": self.total_steps,
             "num_refits": self.num_refits,
             "num_skipped": self.num_skipped,
+            "num_changes": self.num_changes,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -479,7 +485,7 @@ class OnlineAcceptanceEstimator:
         self._slope, self._intercepts = tensors["slope"], tensors["intercepts"]
         self._stats, self._pooled = tensors["statistics"], tensors["pooled_statistics"]
         self.labels_fitted = float(state["labels_fitted"])
-        for key in ("steps_since_refit", "total_steps", "num_refits", "num_skipped"):
+        for key in ("steps_since_refit", "total_steps", "num_refits", "num_skipped", "num_changes"):
             setattr(self, key, int(state[key]))
 
 
@@ -495,7 +501,8 @@ def _upgraded(state: dict[str, Any]) -> dict[str, Any]:
     if version not in (1, STATE_FORMAT):
         raise ValueError(f"state has format {version!r}; this estimator reads formats 1 (the seed's) "
                          f"and {STATE_FORMAT}: save it again with a matching specav version")
-    keys = _SEED_KEYS + (("pooled_statistics", "labels_fitted") if version == STATE_FORMAT else ())
+    added = ("pooled_statistics", "labels_fitted", "num_changes")
+    keys = _SEED_KEYS + (added if version == STATE_FORMAT else ())
     missing = [k for k in keys if k not in state]
     if missing:
         raise ValueError(f"state (format {version}) lacks {missing}; pass what state_dict() returned")
@@ -504,4 +511,4 @@ def _upgraded(state: dict[str, Any]) -> dict[str, Any]:
     statistics = torch.as_tensor(state["statistics"])
     warm = int(state["num_refits"]) > 0
     return {**state, "pooled_statistics": torch.zeros_like(statistics, dtype=_DTYPE),
-            "labels_fitted": math.inf if warm else 0.0, "format": STATE_FORMAT}
+            "labels_fitted": math.inf if warm else 0.0, "num_changes": 0, "format": STATE_FORMAT}
