@@ -17,6 +17,11 @@ slots. Each configuration is replayed online over the same seeded traffic
    at several steps after it (the issue's goal is read at 9,000);
 3. cold start: prequential log-loss over the first 300 steps minus that of the true model.
 
+Optional tables: --cold-start-sweep 0,8,16,... (the same cold-start gap for each
+cold_start_labels, at 1 request per step over 300 and 1,000 steps and at 8 per step over
+300), and --false-alarm-runs N (changes detected on N stationary 12,000-step runs, per
+change_z in --false-alarm-z, against the chi^2 rate the test is built for).
+
 Every pooled row uses the default EstimatorConfig but for its half-life and change_z
 (cold_start_labels and the initial values can be set too); the seed's windowed
 configuration is the first row. Figures are the mean and the worst over seeds.
@@ -113,6 +118,41 @@ def tracking_error(config: EstimatorConfig, traffic: Traffic, at: int, truth: np
     return float(np.abs(est.intercepts.numpy() - truth).mean())
 
 
+def false_alarms(runs: int, zs: list[float], steps: int) -> None:
+    """Changes detected on stationary traffic, per change_z, with the chi^2 rate expected."""
+    from scipy.stats import chi2
+
+    k = len(INTERCEPTS)
+    found = {z: 0 for z in zs}
+    refits = 0
+    for seed in range(runs):
+        t = draw_traffic(steps, 500 + seed)
+        for z in zs:
+            est = replay_online(t.step, t.request, t.position, t.feature, t.label,
+                                EstimatorConfig(change_z=z)).estimator
+            found[z] += est.num_changes
+        refits += est.num_refits
+    print(f"\nfalse alarms: {runs} stationary runs of {steps:,} steps, {refits:,} refits per change_z")
+    print(f"{'change_z':>10}{'changes':>10}{'per refit':>12}{'chi^2 (K dof) per refit':>26}")
+    for z in zs:
+        expected = chi2.sf(k + z * math.sqrt(2 * k), k)
+        print(f"{z:>10g}{found[z]:>10}{found[z] / refits:>12.2e}{expected:>26.2e}")
+
+
+def cold_start_sweep(values: list[int], seeds: int, init: tuple[float, float]) -> None:
+    print(f"\ncold-start refits from slope {init[0]:g}, intercepts {init[1]:g}: prequential log-loss minus "
+          "the true model's (mean / worst over seeds)")
+    cases = ((1, 300), (1, 1000), (BATCH, 300))
+    print(f"{'cold_start_labels':>18}" + "".join(f"{f'B={b}, {n} steps':>22}" for b, n in cases))
+    for first in values:
+        cells = []
+        for batch, steps in cases:
+            config = EstimatorConfig(cold_start_labels=first, init_slope=init[0], init_intercept=init[1])
+            gaps = [cold_start_gap(config, draw_traffic(steps, seed, batch=batch), steps) for seed in range(seeds)]
+            cells.append(f"{np.mean(gaps):.4f} / {max(gaps):.4f}")
+        print(f"{first:>18}" + "".join(f"{c:>22}" for c in cells))
+
+
 def cold_start_gap(config: EstimatorConfig, traffic: Traffic, steps: int) -> float:
     """Prequential log-loss over the first `steps` steps minus that of the truth's own confidences."""
     t = traffic.before(steps)
@@ -146,6 +186,9 @@ def main(argv: list[str] | None = None) -> None:
                    help="change_z values to compare (comma-separated; inf: no change test)")
     p.add_argument("--shift-at", type=int, default=6_000)
     p.add_argument("--shift", type=float, default=-0.5, help="the change added to every intercept")
+    p.add_argument("--cold-start-sweep", default="", help="cold_start_labels values for the optional table")
+    p.add_argument("--false-alarm-runs", type=int, default=0, help="stationary runs for the false-alarm table")
+    p.add_argument("--false-alarm-z", default="4,5,6,8", help="change_z values for the false-alarm table")
     p.add_argument("--read-at", default="6500,7000,8000,9000", help="steps at which tracking error is read")
     args = p.parse_args(argv)
     half_lives = [float(h) for h in args.half_lives.split(",")]
@@ -182,6 +225,11 @@ def main(argv: list[str] | None = None) -> None:
     for name, config in table.items():
         gaps = [cold_start_gap(config, t, 300) for t in calm]
         print(f"{name:<26}{np.mean(gaps):>9.4f} / {max(gaps):.4f}")
+    if args.cold_start_sweep:
+        cold_start_sweep([int(v) for v in args.cold_start_sweep.split(",")], args.seeds,
+                         (args.init_slope, args.init_intercept))
+    if args.false_alarm_runs:
+        false_alarms(args.false_alarm_runs, [float(z) for z in args.false_alarm_z.split(",")], args.steps)
 
 
 if __name__ == "__main__":
