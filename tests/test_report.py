@@ -257,5 +257,7 @@ def test_replay_counts_gaps_and_logs_as_steps() -> None:
     assert r.num_steps == 10  # steps 0..9
     r = replay_online(np.array([4, 4, 2]), **one, log=np.array([0, 0, 1]), config=EstimatorConfig.seed_windowed())
     assert r.num_steps == 5 + 3
+    empty = replay_online(np.zeros(0), np.zeros(0), np.zeros(0), np.zeros(0), np.zeros(0), num_slots=3)
+    assert empty.confidence.size == 0 and empty.num_steps == 0 and empty.estimator.num_slots == 3
     with pytest.raises(ValueError, match=r"positions must lie in \[1, K = 1\]"):
         replay_online(np.array([0]), np.array([0]), np.array([2]), np.zeros(1), np.ones(1), num_slots=1)

@@ -113,6 +113,8 @@ def replay_online(step: np.ndarray, request: np.ndarray, position: np.ndarray, f
     k = int(num_slots or (position.max() if n else 1))
     if n and (position.min() < 1 or position.max() > k):
         raise ValueError(f"positions must lie in [1, K = {k}], got [{position.min()}, {position.max()}]")
+    if n == 0:
+        return ReplayResult(np.zeros(0), OnlineAcceptanceEstimator(k, config), 0)
     log = np.zeros(n, np.int64) if log is None else np.asarray(log)
     s = _as_steps(np.asarray(step, np.int64), np.asarray(request), position,
                   np.asarray(feature, np.float64), np.asarray(label), log, k)
