@@ -1,4 +1,5 @@
-"""Tests for specav.evaluation.report on synthetic logs drawn from a known logistic model."""
+"""Tests for specav.evaluation.report (and its online replays, evaluation/replay.py) on synthetic
+logs drawn from a known logistic model."""
 
 from __future__ import annotations
 
@@ -7,15 +8,25 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
+from specav.config import EstimatorConfig
+from specav.evaluation.replay import replay_online
 from specav.evaluation.report import (
     SCORERS,
     Report,
     build_report,
     fit_position_logistic,
     held_out_requests,
+    load_slots,
 )
-from specav.evaluation.slot_log import SlotLogWriter, SyntheticTruth, synthetic_slot_batch, write_synthetic_slot_log
+from specav.evaluation.slot_log import (
+    SlotLogWriter,
+    SlotRecordBatch,
+    SyntheticTruth,
+    synthetic_slot_batch,
+    write_synthetic_slot_log,
+)
 
 NO_SHIFT = SyntheticTruth(workload_shift=(0.0, 0.0, 0.0, 0.0, 0.0))
 
@@ -171,3 +182,82 @@ def test_several_logs_are_pooled_with_requests_kept_apart(tmp_path: Path) -> Non
     write_synthetic_slot_log(tmp_path / "c", 6_000, NO_SHIFT, seed=4)  # no hidden column
     with pytest.raises(ValueError, match="cannot be pooled"):
         build_report([tmp_path / "a", tmp_path / "c"], tmp_path / "bad")
+
+
+# ---- online replays of the estimator ---------------------------------------------------------
+
+def simulate_engine_log(directory: Path, config: EstimatorConfig, steps: int, seed: int) -> Path:
+    """A slot log written the way the engine writes one: per step, the requests in the batch are
+    scored by a live estimator, verified slot by slot, logged (labelled slots only) and observed.
+    Some steps label nothing (they leave a gap in the step column)."""
+    from specav.acceptance.estimator import OnlineAcceptanceEstimator
+
+    rng = np.random.default_rng(seed)
+    k, truth = 4, np.array([0.6, 0.3, 0.0, -0.3])
+    est = OnlineAcceptanceEstimator(k, config)
+    with SlotLogWriter(directory, flush_rows=500) as log:
+        for step in range(steps):
+            batch = 0 if rng.random() < 0.05 else int(rng.integers(1, 7))
+            f = np.clip(rng.normal(2.0, 2.5, (batch, k)), -40, 40)
+            admitted = rng.integers(0, k + 1, batch)
+            accept = rng.random((batch, k)) < 1 / (1 + np.exp(-(0.6 * f + truth)))
+            accepted = np.array([int(np.cumprod(a[:m]).sum()) for a, m in zip(accept, admitted)], np.int64)
+            conf = est.score(torch.from_numpy(f)).numpy()
+            rows = [(b, i) for b in range(batch) for i in range(min(accepted[b] + 1, admitted[b]))]
+            if rows:
+                b, i = np.array(rows).T
+                n = b.size
+                log.append(SlotRecordBatch(
+                    request_id=np.array([f"r{(step // 20) * 7 + x}" for x in b]), workload=np.full(n, "chat"),
+                    step=np.full(n, step), position=i + 1, temperature=np.full(n, 0.7),
+                    q_max=1 / (1 + np.exp(-f[b, i])), logit_q_max=f[b, i], entropy=np.ones(n),
+                    top2_margin=np.ones(n), q_sampled=np.ones(n), q_max_truncated=np.ones(n),
+                    confidence=conf[b, i], label=(i < accepted[b]).astype(np.int8)))
+            est.observe(torch.from_numpy(f), torch.from_numpy(admitted), torch.from_numpy(accepted))
+    return directory
+
+
+@pytest.mark.parametrize("config", [EstimatorConfig(), EstimatorConfig.seed_windowed(refit_interval=7),
+                                    EstimatorConfig(refit_interval=5, cold_start_labels=3)],
+                         ids=["default", "windowed", "short"])
+def test_replay_reproduces_the_live_estimator(tmp_path: Path, config: EstimatorConfig) -> None:
+    log = simulate_engine_log(tmp_path / "log", config, steps=600, seed=2)
+    data = load_slots(log)
+    r = replay_online(data.step, data.request, data.position, data.logit_q_max, data.label, config)
+    np.testing.assert_allclose(r.confidence, data.confidence, rtol=0, atol=2e-7)  # logged as float32
+    assert r.estimator.num_refits > 5
+    other = EstimatorConfig.seed_windowed(refit_interval=3)  # negative control: another config differs
+    moved = replay_online(data.step, data.request, data.position, data.logit_q_max, data.label, other)
+    assert np.abs(moved.confidence - data.confidence).max() > 1e-3
+
+
+def test_report_replays_both_modes_beside_the_offline_fits(tmp_path: Path) -> None:
+    log = simulate_engine_log(tmp_path / "log", EstimatorConfig(), steps=1500, seed=3)
+    report = build_report(log, tmp_path / "out")
+    logged, pooled = report.result("online").metrics, report.result("online_pooled").metrics
+    assert pooled.log_loss == pytest.approx(logged.log_loss, abs=1e-6)  # the log ran the default config
+    assert pooled.auc == pytest.approx(logged.auc, abs=1e-6)
+    windowed = report.result("online_windowed").metrics
+    assert windowed.log_loss != pytest.approx(pooled.log_loss, abs=1e-6)
+    assert set(report.replays) == {"online_pooled", "online_windowed"}
+    assert report.replays["online_windowed"].config == EstimatorConfig.seed_windowed()
+    assert report.replays["online_pooled"].all_slots.n == report.num_slots
+    shared = report.fits["shared"]
+    assert report.replays["online_pooled"].slope == pytest.approx(shared.slope[0], abs=0.1)
+    text = (tmp_path / "out" / "report.md").read_text()
+    assert "online replay: pooled (default)" in text and "online replay: windowed (seed)" in text
+    assert "pooled (default): final ω / β" in text and "mode=windowed" in text
+
+
+def test_replay_counts_gaps_and_logs_as_steps() -> None:
+    """Steps numbered from 0 per log; gaps are empty steps; a new log starts its own count."""
+    one = dict(request=np.array([0, 0, 1]), position=np.array([1, 2, 1]), feature=np.zeros(3),
+               label=np.array([1, 0, 1]))
+    r = replay_online(np.array([4, 4, 9]), **one, config=EstimatorConfig.seed_windowed())
+    assert r.num_steps == 10  # steps 0..9
+    r = replay_online(np.array([4, 4, 2]), **one, log=np.array([0, 0, 1]), config=EstimatorConfig.seed_windowed())
+    assert r.num_steps == 5 + 3
+    empty = replay_online(np.zeros(0), np.zeros(0), np.zeros(0), np.zeros(0), np.zeros(0), num_slots=3)
+    assert empty.confidence.size == 0 and empty.num_steps == 0 and empty.estimator.num_slots == 3
+    with pytest.raises(ValueError, match=r"positions must lie in \[1, K = 1\]"):
+        replay_online(np.array([0]), np.array([0]), np.array([2]), np.zeros(1), np.ones(1), num_slots=1)

@@ -6,9 +6,24 @@ labelled slots add to, and the damped Newton (IRLS) refit that consumes them
 (estimator.md). It must not know about models, drafters, the planner, the engine or
 the server: it sees features `# [B, K]` and the counts of admitted and accepted slots.
 
-Defaults come from `EstimatorConfig`: omega = 1 and beta = 0, so the unfitted
-estimator's confidence is raw q_max; one damped Newton step every 100 observe calls
-with n0 = 50; ridge 1e-3; features clamped to [-40, 40].
+Two modes (`EstimatorConfig.mode`, a registry below):
+- pooled (the default): the arrowhead statistics are kept across refits. At each refit
+  the pooled statistics are decayed by 0.5 ** (steps since the last refit / half_life),
+  the interval's statistics are added, one damped Newton step d is taken on the sum, and
+  the carried gradient is corrected to first order, g <- g - H d, so the old evidence
+  stays consistent with the moved parameters. Memory and refit stay O(K). With a finite
+  `change_z`, a refit whose new labels contradict the pooled fit (a calibration test, see
+  `_changed`) drops the pooled statistics first, so a sudden change is followed within an
+  interval or two while stationary traffic keeps a long memory.
+- windowed (the seed's, and vLLM's): one damped Newton step from the interval's
+  statistics alone, which are then zeroed.
+
+Refit schedule: every `refit_interval` decode steps; with `cold_start_labels` > 0 sooner
+while labels are few: the first refit once that many labels are pending, each later one
+once the pending labels equal the labels already fitted (the interval doubles in labels),
+until `refit_interval` steps come first.
+
+Defaults come from `EstimatorConfig` (docs/estimator.md gives the measurements behind them).
 
 Precision and placement: parameters, statistics and confidences are float64 on the
 estimator's `device` (default CPU; a keyword this module adds to the specified
@@ -16,15 +31,21 @@ constructor); inputs of any float dtype and device are converted.
 
 Details estimator.md leaves open, decided here:
 - Steps are counted per `observe` call, including calls with no labelled slot (B = 0
-  or nothing admitted), so "every N decode steps" holds on an idle server too.
+  or nothing admitted), so "every N decode steps" holds on an idle server too; a replay
+  may let one call stand for several steps (`observe(..., steps=n)`, which refits at most
+  once, after adding its slots).
 - The ridge lambda is added to the Newton system only (A + lambda, c_i + lambda),
   not to the likelihood, so the fixed point is the unpenalised maximum likelihood fit.
-- A refit with no labels is a no-op that still resets the step counter. A skipped
-  step (not finite, or the damped step would make omega negative) discards its
-  statistics too: they were taken at the current parameters and the next interval
-  collects fresh ones. With n0 = 0, a position without labels gets damping factor 0.
-- `state_dict` holds parameters, pending statistics and counters, not the config: the
-  config belongs to the engine's configuration and is passed to the constructor.
+- Damping uses the label counts the step is taken from: the interval's (windowed) or the
+  decayed pooled counts (pooled). With n0 = 0, a position without labels gets factor 0.
+- A refit with no pending labels takes no step (pooled statistics still decay). A skipped
+  step (not finite, or the damped step would make omega negative) discards all statistics,
+  pooled ones included, so one bad interval cannot poison the next.
+- `merge` adds the other estimator's pending statistics (what it observed since its last
+  refit); pooled statistics are history that synced replicas share, so they are not added.
+- `state_dict` holds parameters, statistics and counters, not the config: the config
+  belongs to the engine's configuration and is passed to the constructor. A state of the
+  seed's format (no pooled statistics) loads with empty pooled statistics.
 - `observe` ignores slots whose feature is not finite (NaN padding, +/-inf): they get
   no label. `score` clamps +/-inf to +/-clamp and returns NaN for NaN.
 """
@@ -34,15 +55,17 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from specav.config import EstimatorConfig
 
 _DTYPE = torch.float64
-# Rows of the statistics tensor # [6, K]: sums over labelled slots at position i of
+# Rows of a statistics tensor # [6, K]: sums over labelled slots at position i of
 _STATS = ("a", "b", "c", "g0", "g1", "n")  # w f^2, w f, w, r f, r, count  (w = p(1-p), r = y - p)
+_MIN_TEST_WEIGHT = 10.0  # sum of p(1-p) per position, each side, before the change test uses it
+STATE_FORMAT = 2  # state_dict layout: 1 = the seed's (no pooled statistics), 2 = this one
 
 
 def survival(confidences: torch.Tensor) -> torch.Tensor:
@@ -75,6 +98,17 @@ def newton_step(statistics: torch.Tensor, ridge: float) -> NewtonStep:
     return NewtonStep(slope=float(d_slope), intercepts=d_intercepts)
 
 
+def corrected(statistics: torch.Tensor, d_slope: float, d_intercepts: torch.Tensor) -> torch.Tensor:
+    """The statistics after the parameters moved by d: gradient g <- g - H d, H kept.  # [6, K]
+
+    Per position i: g0_i -= a_i d_omega + b_i d_beta_i and g1_i -= b_i d_omega + c_i d_beta_i,
+    whose sums are exactly g - H d for the arrowhead H (so merged sums stay exact).
+    """
+    a, b, c, g0, g1, n = statistics
+    return torch.stack((a, b, c, g0 - a * d_slope - b * d_intercepts,
+                        g1 - b * d_slope - c * d_intercepts, n))
+
+
 class RefitOutcome(enum.StrEnum):
     APPLIED = "applied"
     NO_LABELS = "no_labels"  # nothing labelled since the last refit
@@ -86,6 +120,8 @@ class RefitOutcome(enum.StrEnum):
 class RefitResult:
     """What one refit did.
 
+    num_labels*: the labels observed since the last refit; pooled_labels: the (decayed)
+    label count the step was taken from (= num_labels in windowed mode).
     newton_*: the undamped step the statistics asked for; delta_*: what was added to the
     parameters (the damped step, or zeros when skipped).
     """
@@ -97,16 +133,42 @@ class RefitResult:
     newton_intercepts: torch.Tensor  # [K] float64
     delta_slope: float
     delta_intercepts: torch.Tensor  # [K] float64
+    pooled_labels: float = 0.0
 
     @property
     def applied(self) -> bool:
         return self.outcome is RefitOutcome.APPLIED
 
 
+@dataclass(frozen=True, slots=True)
+class NextRefit:
+    """When the next refit comes: after `steps` more decode steps, or as soon as `labels` more
+    labelled slots are pending (inf: not before the steps), whichever is first."""
+
+    steps: int
+    labels: float
+
+
 def _damping(count: torch.Tensor, n0: float) -> torch.Tensor:
     """n / (n + n0), and 0 where both are 0."""
     total = count + n0
     return torch.where(total > 0, count / total.clamp(min=1e-300), 0.0)
+
+
+# ---- modes: what the statistics a step was taken from become afterwards -------------------------
+
+def _keep_corrected(statistics: torch.Tensor, d_slope: float, d_intercepts: torch.Tensor) -> torch.Tensor:
+    return corrected(statistics, d_slope, d_intercepts)
+
+
+def _drop(statistics: torch.Tensor, d_slope: float, d_intercepts: torch.Tensor) -> torch.Tensor:
+    return torch.zeros_like(statistics)
+
+
+CARRY: dict[str, Callable[[torch.Tensor, float, torch.Tensor], torch.Tensor]] = {
+    "pooled": _keep_corrected,
+    "windowed": _drop,
+}
 
 
 class OnlineAcceptanceEstimator:
@@ -129,15 +191,19 @@ class OnlineAcceptanceEstimator:
         self.config = config
         self.device = torch.device(device)
         self._num_slots = num_slots
+        self._carry = CARRY[config.mode]
         self._slope = torch.tensor(float(config.init_slope), dtype=_DTYPE, device=self.device)
         self._intercepts = torch.full((num_slots,), float(config.init_intercept), dtype=_DTYPE,
                                       device=self.device)
         self._stats = torch.zeros(len(_STATS), num_slots, dtype=_DTYPE, device=self.device)
+        self._pooled = torch.zeros_like(self._stats)
         self._positions = torch.arange(num_slots, device=self.device)
+        self.labels_fitted = 0.0  # labels consumed by refits so far (not decayed): the cold-start clock
         self.steps_since_refit = 0
         self.total_steps = 0
         self.num_refits = 0
         self.num_skipped = 0
+        self.num_changes = 0
         self.last_refit: RefitResult | None = None
 
     # ---- parameters -------------------------------------------------------------
@@ -158,8 +224,13 @@ class OnlineAcceptanceEstimator:
 
     @property
     def statistics(self) -> dict[str, torch.Tensor]:
-        """Pending sufficient statistics by name (a, b, c, g0, g1, n), each # [K] (copies)."""
+        """Pending sufficient statistics (since the last refit) by name, each # [K] (copies)."""
         return {k: v.clone() for k, v in zip(_STATS, self._stats)}
+
+    @property
+    def pooled_statistics(self) -> dict[str, torch.Tensor]:
+        """Statistics carried from earlier refits (pooled mode; zeros when windowed), # [K] each."""
+        return {k: v.clone() for k, v in zip(_STATS, self._pooled)}
 
     # ---- score ------------------------------------------------------------------
 
@@ -225,12 +296,17 @@ class OnlineAcceptanceEstimator:
         return labelled, accepted
 
     def observe(self, features: torch.Tensor, num_admitted: torch.Tensor,
-                num_accepted: torch.Tensor) -> None:
-        """Add one step's labelled slots to the statistics; refit every refit_interval calls.
+                num_accepted: torch.Tensor, *, steps: int = 1) -> None:
+        """Add one step's labelled slots to the statistics; refit when the schedule says so.
 
         features: # [B, K], the same features that were scored; num_admitted: # [B] int,
         slots verified per request (a prefix); num_accepted: # [B] int, accepted among them.
+        steps: decode steps this call stands for (a replay batches the steps of one interval,
+        scored with the same parameters, into one call; see `next_refit`).
         """
+        if not isinstance(steps, int) or steps < 0:
+            raise ValueError(f"steps = {steps!r} is invalid: allowed an integer >= 0 (decode steps "
+                             "this call stands for; 1 for one engine step)")
         f = self._features(features)
         admitted = self._counts(num_admitted, "num_admitted", f.shape[0])
         accepted = self._counts(num_accepted, "num_accepted", f.shape[0])
@@ -238,9 +314,10 @@ class OnlineAcceptanceEstimator:
         labelled, y = self._labels(admitted, accepted)
         labelled &= torch.isfinite(f)
         self._accumulate(f, labelled, y)
-        self.steps_since_refit += 1
-        self.total_steps += 1
-        if self.steps_since_refit >= self.config.refit_interval:
+        self.steps_since_refit += steps
+        self.total_steps += steps
+        nxt = self.next_refit()
+        if nxt.steps <= 0 or nxt.labels <= 0:
             self.refit()
 
     def _accumulate(self, f: torch.Tensor, labelled: torch.Tensor, y: torch.Tensor) -> None:
@@ -258,35 +335,83 @@ class OnlineAcceptanceEstimator:
         terms = torch.stack((wf * f, wf, w, r * f, r, m))  # [6, B, K]
         self._stats += terms.sum(dim=1)
 
-    # ---- refit ------------------------------------------------------------------
+    # ---- schedule and refit -----------------------------------------------------------
+
+    def next_refit(self) -> NextRefit:
+        """Steps and pending labels still to come before the next refit (see the module doc)."""
+        steps = self.config.refit_interval - self.steps_since_refit
+        first = self.config.cold_start_labels
+        if first == 0:
+            return NextRefit(steps, math.inf)
+        pending = float(self._stats[5].sum())
+        return NextRefit(steps, max(float(first), self.labels_fitted) - pending)
+
+    def _decay(self) -> float:
+        """Forgetting factor for the pooled statistics over the steps since the last refit."""
+        return 0.5 ** (self.steps_since_refit / self.config.half_life)
 
     def refit(self) -> RefitResult:
-        """Take one damped Newton step from the pending statistics, then zero them."""
-        counts = self._stats[5]
+        """Take one damped Newton step from the statistics; pool or zero them by mode."""
+        pending = self._stats[5]
+        n_pending = float(pending.sum())
+        pooled = self._pooled * self._decay()
+        if self._changed(pooled):
+            pooled = torch.zeros_like(pooled)
+            self.num_changes += 1
+        stats = pooled + self._stats
+        counts = stats[5]
         n = float(counts.sum())
-        step = newton_step(self._stats, self.config.ridge)
-        outcome, d_slope, d_intercepts = self._damped(step, counts, n)
+        step = newton_step(stats, self.config.ridge)
+        outcome, d_slope, d_intercepts = self._damped(step, counts, n, n_pending)
         if outcome is RefitOutcome.APPLIED:
             self._slope += d_slope
             self._intercepts += d_intercepts
+            self._pooled = self._carry(stats, d_slope, d_intercepts)
+        elif outcome is RefitOutcome.NO_LABELS:
+            self._pooled = self._carry(stats, 0.0, torch.zeros_like(self._intercepts))
         else:
-            if outcome is not RefitOutcome.NO_LABELS:
-                self.num_skipped += 1
+            self.num_skipped += 1
+            self._pooled = torch.zeros_like(self._pooled)
+        if outcome is not RefitOutcome.APPLIED:
             d_slope, d_intercepts = 0.0, torch.zeros_like(self._intercepts)
-        result = RefitResult(outcome, int(round(n)), counts.round().long(), step.slope,
-                             step.intercepts, d_slope, d_intercepts)
+        result = RefitResult(outcome, int(round(n_pending)), pending.round().long(), step.slope,
+                             step.intercepts, d_slope, d_intercepts, n)
+        self.labels_fitted += n_pending
         self._stats.zero_()
         self.steps_since_refit = 0
         self.num_refits += 1
         self.last_refit = result
         return result
 
-    def _damped(self, step: NewtonStep, counts: torch.Tensor, n: float
+    def _changed(self, pooled: torch.Tensor) -> bool:
+        """Do the pending labels contradict the pooled fit? (pooled mode; see the module doc)
+
+        Per position i, a two-sample test of calibration: the interval's mean residual
+        g1_i / c_i against the pool's G1_i / C_i (zero once a full step has been taken), both
+        at the current parameters, z_i = (g1_i / c_i - G1_i / C_i) / sqrt(1 / c_i + 1 / C_i).
+        sum z_i^2 ~ chi^2 with one degree of freedom per position whose weight (sum of p(1-p))
+        is at least _MIN_TEST_WEIGHT on both sides, so the normal approximation holds (no test
+        in the first refits of a cold start); a change is declared above dof + change_z *
+        sqrt(2 dof). O(K).
+        """
+        z = self.config.change_z
+        if not math.isfinite(z):
+            return False
+        c, g1, big_c, big_g1 = self._stats[2], self._stats[4], pooled[2], pooled[4]
+        used = (c >= _MIN_TEST_WEIGHT) & (big_c >= _MIN_TEST_WEIGHT)
+        dof = int(used.sum())
+        if dof == 0:
+            return False
+        c, g1, big_c, big_g1 = c[used], g1[used], big_c[used], big_g1[used]
+        stat = ((g1 - c * big_g1 / big_c) ** 2 / (c * (1 + c / big_c))).sum()
+        return bool(stat > dof + z * math.sqrt(2 * dof))
+
+    def _damped(self, step: NewtonStep, counts: torch.Tensor, n: float, n_pending: float
                 ) -> tuple[RefitOutcome, float, torch.Tensor]:
         n0 = self.config.damping_n0
         d_slope = step.slope * (n / (n + n0) if n + n0 > 0 else 0.0)
         d_intercepts = step.intercepts * _damping(counts, n0)
-        if n == 0:
+        if n_pending == 0:
             return RefitOutcome.NO_LABELS, d_slope, d_intercepts
         if not (math.isfinite(d_slope) and bool(torch.isfinite(d_intercepts).all())):
             return RefitOutcome.NON_FINITE, d_slope, d_intercepts
@@ -301,7 +426,11 @@ class OnlineAcceptanceEstimator:
 
         Both must have the same K and exactly the same parameters: the statistics are a
         Taylor expansion at the parameters that produced them, and sums taken at different
-        points describe no single Newton step. Step counters are not added.
+        points describe no single Newton step. Only statistics pending since the last refit
+        are added: pooled statistics are the history replicas share after a sync (load one
+        state_dict into all after each refit). Replicas should not refit on their own
+        (refit_interval large, cold_start_labels 0); the one that merges calls `refit()`.
+        Step counters are not added.
         """
         if other.num_slots != self._num_slots:
             raise ValueError(f"cannot merge an estimator with K = {other.num_slots} into one with "
@@ -318,31 +447,68 @@ class OnlineAcceptanceEstimator:
         self._stats += other._stats.to(self.device)
 
     def state_dict(self) -> dict[str, Any]:
-        """Parameters, pending statistics and counters as plain values and tensors (copies)."""
+        """Parameters, statistics and counters as plain values and tensors (copies)."""
         return {
+            "format": STATE_FORMAT,
             "num_slots": self._num_slots,
             "slope": self._slope.clone(),
             "intercepts": self._intercepts.clone(),
             "statistics": self._stats.clone(),
+            "pooled_statistics": self._pooled.clone(),
+            "labels_fitted": self.labels_fitted,
             "steps_since_refit": self.steps_since_refit,
             "total_steps": self.total_steps,
             "num_refits": self.num_refits,
             "num_skipped": self.num_skipped,
+            "num_changes": self.num_changes,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore exactly what `state_dict` returned (same K required)."""
-        if state.get("num_slots") != self._num_slots:
-            raise ValueError(f"state has num_slots = {state.get('num_slots')!r} but this estimator "
+        """Restore what `state_dict` returned (same K required); the seed's format loads too.
+
+        A seed-format state has no pooled statistics (they start empty) and no cold-start
+        clock: if it has refitted at all, its estimator counts as warm (no cold-start refits).
+        """
+        state = _upgraded(state)
+        if state["num_slots"] != self._num_slots:
+            raise ValueError(f"state has num_slots = {state['num_slots']!r} but this estimator "
                              f"has K = {self._num_slots}; build it with the state's num_slots")
-        expected = {"slope": (), "intercepts": (self._num_slots,),
-                    "statistics": (len(_STATS), self._num_slots)}
-        for key, shape in expected.items():
+        shape = (len(_STATS), self._num_slots)
+        expected = {"slope": (), "intercepts": (self._num_slots,), "statistics": shape,
+                    "pooled_statistics": shape}
+        tensors = {}
+        for key, want in expected.items():
             value = torch.as_tensor(state[key])
-            if tuple(value.shape) != shape:
-                raise ValueError(f"state[{key!r}] has shape {tuple(value.shape)}, expected {shape}")
-        self._slope = torch.as_tensor(state["slope"]).to(self.device, _DTYPE).clone()
-        self._intercepts = torch.as_tensor(state["intercepts"]).to(self.device, _DTYPE).clone()
-        self._stats = torch.as_tensor(state["statistics"]).to(self.device, _DTYPE).clone()
-        for key in ("steps_since_refit", "total_steps", "num_refits", "num_skipped"):
+            if tuple(value.shape) != want:
+                raise ValueError(f"state[{key!r}] has shape {tuple(value.shape)}, expected {want}")
+            tensors[key] = value.to(self.device, _DTYPE).clone()
+        self._slope, self._intercepts = tensors["slope"], tensors["intercepts"]
+        self._stats, self._pooled = tensors["statistics"], tensors["pooled_statistics"]
+        self.labels_fitted = float(state["labels_fitted"])
+        for key in ("steps_since_refit", "total_steps", "num_refits", "num_skipped", "num_changes"):
             setattr(self, key, int(state[key]))
+
+
+_SEED_KEYS = ("num_slots", "slope", "intercepts", "statistics", "steps_since_refit", "total_steps",
+              "num_refits", "num_skipped")
+
+
+def _upgraded(state: dict[str, Any]) -> dict[str, Any]:
+    """A state in the current format: seed-format (format 1) states gain empty pooled statistics."""
+    if not isinstance(state, dict):
+        raise ValueError(f"state must be the dict that state_dict() returned, got {type(state).__name__}")
+    version = state.get("format", 1)
+    if version not in (1, STATE_FORMAT):
+        raise ValueError(f"state has format {version!r}; this estimator reads formats 1 (the seed's) "
+                         f"and {STATE_FORMAT}: save it again with a matching specav version")
+    added = ("pooled_statistics", "labels_fitted", "num_changes")
+    keys = _SEED_KEYS + (added if version == STATE_FORMAT else ())
+    missing = [k for k in keys if k not in state]
+    if missing:
+        raise ValueError(f"state (format {version}) lacks {missing}; pass what state_dict() returned")
+    if version == STATE_FORMAT:
+        return state
+    statistics = torch.as_tensor(state["statistics"])
+    warm = int(state["num_refits"]) > 0
+    return {**state, "pooled_statistics": torch.zeros_like(statistics, dtype=_DTYPE),
+            "labels_fitted": math.inf if warm else 0.0, "num_changes": 0, "format": STATE_FORMAT}

@@ -1,6 +1,6 @@
 """Per-step cost of the online acceptance estimator: score + observe, refits amortised.
 
-    python -m specav.bench.estimator_cost [--batch-size 16] [--num-slots 8] [--step-ms X]
+    python -m specav.bench.estimator_cost [--batch-size 16] [--num-slots 8] [--mode pooled] [--step-ms X]
 
 Prints microseconds per engine step for score, observe (including the refit every
 refit_interval steps, amortised) and their sum, and with --step-ms the sum as a
@@ -98,6 +98,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--num-slots", type=int, default=8, help="K draft slots (default 8)")
     p.add_argument("--refit-interval", type=int, default=defaults.refit_interval,
                    help=f"steps between refits (default {defaults.refit_interval}, EstimatorConfig)")
+    p.add_argument("--mode", default=defaults.mode, choices=EstimatorConfig.MODES,
+                   help=f"estimator mode (default {defaults.mode}, EstimatorConfig)")
     p.add_argument("--steps", type=int, default=2000, help="steps per repeat (default 2000)")
     p.add_argument("--repeats", type=int, default=5, help="repeats; the median is shown (default 5)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
@@ -110,9 +112,9 @@ def main(argv: list[str] | None = None) -> None:
         p.error("--batch-size, --num-slots, --steps and --repeats must be integers >= 1")
     if args.threads:
         torch.set_num_threads(args.threads)
-    config = EstimatorConfig(refit_interval=args.refit_interval)
+    config = EstimatorConfig(mode=args.mode, refit_interval=args.refit_interval)
     r = measure(args.batch_size, args.num_slots, config, args.steps, args.repeats)
-    print(f"estimator cost per engine step  B={args.batch_size} K={args.num_slots} "
+    print(f"estimator cost per engine step  B={args.batch_size} K={args.num_slots} mode={config.mode} "
           f"refit_interval={config.refit_interval} torch_threads={torch.get_num_threads()}")
     print(f"  {'score':<28}{r.score_us:10.1f} us")
     print(f"  {'observe (refits amortised)':<28}{r.observe_us:10.1f} us")

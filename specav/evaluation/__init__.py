@@ -4,9 +4,11 @@
     workloads.py   the five shipped prompt sets (code, chat, math, prose, unpredictable)
     slot_log.py    Parquet slot logs (crash-safe writer, reader) and a synthetic generator
     report.py      build_report: every scorer measured on a log -> report.md + PNG plots
+    replay.py      the online estimator replayed over a log in log order (both modes)
 
-Evaluation never imports models, the engine or torch: the engine fills SlotRecordBatch
-and this package reads what was written.
+Evaluation never imports models or the engine: the engine fills SlotRecordBatch and this
+package reads what was written. torch comes in only through the estimator that replay.py
+runs (and collect.py, which drives an engine).
 """
 
 from specav.evaluation.metrics import (

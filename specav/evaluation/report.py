@@ -6,18 +6,22 @@ requests, measures every scorer on the held-out requests (metrics.py), and write
 `report.md` with tables and two PNG plots (reliability diagram, AUC by position).
 
 Scorers (a registry, SCORERS): raw q_max; the online estimator's logged confidence;
+the online estimator in both modes (pooled, the default, and the seed's windowed one)
+replayed over the whole log in log order (replay.py), prequential like the logged one;
 offline logistic fits of logit(q_max) with a shared or per-position slope and
 per-position intercepts; entropy and top-2 margin (fitted and raw ranking); q_sampled
 (LOSSY, reported never used); a trained confidence head on the drafter's hidden states
 when the log has them.
 
 This module owns the offline reference fits and the report layout. It reads logs only
-through slot_log.py and measures only through metrics.py; it must not import models,
-the engine or torch. Everything is vectorised over slots (no per-slot Python).
+through slot_log.py, measures only through metrics.py and runs the estimator only through
+replay.py (the one place torch comes in); it must not import models or the engine.
+Everything is vectorised over slots (no per-slot Python).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 import os
@@ -29,7 +33,9 @@ from typing import Callable
 import numpy as np
 import pyarrow as pa
 
+from specav.config import EstimatorConfig
 from specav.evaluation.metrics import DEFAULT_BINS, ScorerMetrics, auc, log_loss, measure, reliability_table
+from specav.evaluation.replay import ReplayResult, replay_online
 from specav.evaluation.slot_log import hidden_matrix, read_meta, read_slot_log
 
 LogDirs = str | os.PathLike | Sequence[str | os.PathLike]  # one slot log directory, or several to pool
@@ -48,6 +54,8 @@ class SlotData:
 
     request: np.ndarray  # int64 index into request_names
     request_names: np.ndarray  # [R] str
+    log: np.ndarray  # int64, which of the pooled logs the slot comes from
+    step: np.ndarray  # int64, engine step (log order is step order within a log)
     workload: np.ndarray  # int64 index into workload_names
     workload_names: tuple[str, ...]
     position: np.ndarray  # int64, 1-based
@@ -70,7 +78,8 @@ class SlotData:
         def pick(a: np.ndarray | None) -> np.ndarray | None:
             return None if a is None else a[mask]
         return SlotData(
-            request=self.request[mask], request_names=self.request_names, workload=self.workload[mask],
+            request=self.request[mask], request_names=self.request_names, log=self.log[mask],
+            step=self.step[mask], workload=self.workload[mask],
             workload_names=self.workload_names, position=self.position[mask], label=self.label[mask],
             q_max=self.q_max[mask], logit_q_max=self.logit_q_max[mask], entropy=self.entropy[mask],
             top2_margin=self.top2_margin[mask], q_sampled=self.q_sampled[mask],
@@ -114,8 +123,10 @@ def load_slots(log_dirs: LogDirs) -> SlotData:
     f64 = {name: table.column(name).to_numpy().astype(np.float64)
            for name in ("label", "q_max", "logit_q_max", "entropy", "top2_margin", "q_sampled", "q_max_truncated",
                         "confidence")}
+    log = np.repeat(np.arange(len(tables)), [t.num_rows for t in tables])
     return SlotData(
-        request=request, request_names=request_names, workload=rank[workload],
+        request=request, request_names=request_names, log=log,
+        step=table.column("step").to_numpy().astype(np.int64), workload=rank[workload],
         workload_names=tuple(workload_names[order]), position=table.column("position").to_numpy().astype(np.int64),
         hidden=hidden_matrix(table) if "hidden" in table.column_names else None, **f64)
 
@@ -240,7 +251,10 @@ class ScoringContext:
     train: SlotData
     test: SlotData
     seed: int
+    data: SlotData  # every slot, in log order (the online replays run over it)
+    test_mask: np.ndarray  # [N] bool, held-out slots of `data`
     fits: dict[str, PositionLogisticFit] = field(default_factory=dict)
+    replays: dict[str, ReplayResult] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
 
@@ -294,6 +308,25 @@ def _fitted(key: str, feature: str, shared_slope: bool = True) -> Callable[[Scor
                                     feature=feature, shared_slope=shared_slope)
         ctx.fits[key] = fit
         probs = fit.predict(_FEATURES[feature](ctx.test), ctx.test.position)
+        return Scores(probs, probs)
+    return score
+
+
+# The two estimator modes the report replays: the default configuration and the seed's.
+REPLAYS: dict[str, EstimatorConfig] = {
+    "online_pooled": EstimatorConfig(),
+    "online_windowed": EstimatorConfig.seed_windowed(),
+}
+
+
+def _replayed(key: str) -> Callable[[ScoringContext], Scores]:
+    """The estimator under REPLAYS[key], replayed online over every slot in log order; scored
+    on the held-out slots (their confidences are prequential, like the logged ones)."""
+    def score(ctx: ScoringContext) -> Scores:
+        d = ctx.data
+        result = replay_online(d.step, d.request, d.position, d.logit_q_max, d.label, REPLAYS[key], log=d.log)
+        ctx.replays[key] = result
+        probs = result.confidence[ctx.test_mask]
         return Scores(probs, probs)
     return score
 
@@ -354,8 +387,12 @@ Q_SAMPLED_REFERENCE = Reference(auc=0.8553)
 
 SCORERS: tuple[ScorerSpec, ...] = (
     ScorerSpec("q_max", "q_max (raw)", True, _raw(lambda d: d.q_max, probs=True)),
-    ScorerSpec("online", "logit(q_max), online (prequential)", True,
+    ScorerSpec("online", "logit(q_max), online as logged (prequential)", True,
                _raw(lambda d: d.confidence, probs=True), ESTIMATOR_REFERENCE),
+    ScorerSpec("online_pooled", "logit(q_max), online replay: pooled (default)", True,
+               _replayed("online_pooled")),
+    ScorerSpec("online_windowed", "logit(q_max), online replay: windowed (seed)", True,
+               _replayed("online_windowed")),
     ScorerSpec("shared", "logit(q_max), offline shared slope", True, _fitted("shared", "logit_q_max")),
     ScorerSpec("per_position", "logit(q_max), offline per-position slope", True,
                _fitted("per_position", "logit_q_max", shared_slope=False)),
@@ -433,6 +470,7 @@ class Report:
     fits: dict[str, PositionLogisticFit]
     online_all_slots: ScorerMetrics
     notes: tuple[str, ...]
+    replays: dict[str, "ReplaySummary"] = field(default_factory=dict)
 
     def result(self, key: str) -> ScorerResult:
         return next(r for r in self.overall if r.key == key)
@@ -469,6 +507,26 @@ def _position_rows(scores: dict[str, Scores | str], test: SlotData) -> tuple[Pos
     return tuple(rows)
 
 
+@dataclass(frozen=True, slots=True)
+class ReplaySummary:
+    """An online replay over the whole log: its prequential metrics on every slot and where its
+    parameters ended."""
+
+    config: EstimatorConfig
+    all_slots: ScorerMetrics
+    slope: float
+    intercepts: np.ndarray  # [K]
+    num_steps: int
+    num_refits: int
+    num_changes: int  # refits that dropped the pooled evidence (EstimatorConfig.change_z)
+
+
+def _replay_summary(result: ReplayResult, data: SlotData, bins: int) -> ReplaySummary:
+    est = result.estimator
+    return ReplaySummary(est.config, measure(result.confidence, data.label, bins), est.slope,
+                         est.intercepts.numpy(), result.num_steps, est.num_refits, est.num_changes)
+
+
 def _workload_fits(data: SlotData) -> tuple[WorkloadFit, ...]:
     fits = []
     for w, name in enumerate(data.workload_names):
@@ -494,7 +552,7 @@ def _scoring_context(data: SlotData, seed: int) -> ScoringContext:
                          f"{1 - HELD_OUT_FRACTION:.0%}/{HELD_OUT_FRACTION:.0%} request split; "
                          "log more requests (or try another seed)")
     test = held[data.request]
-    return ScoringContext(data.take(~test), data.take(test), seed)
+    return ScoringContext(data.take(~test), data.take(test), seed, data, test)
 
 
 def _assemble(data: SlotData, ctx: ScoringContext, scores: dict[str, Scores | str], out: Path,
@@ -516,7 +574,8 @@ def _assemble(data: SlotData, ctx: ScoringContext, scores: dict[str, Scores | st
         slope_entropy_r=_pearson([w.slope for w in workloads], entropy),
         intercept_entropy_r=_pearson([w.mean_intercept for w in workloads], entropy),
         held_out_acceptance=float(labels.mean()), fits=dict(ctx.fits),
-        online_all_slots=measure(data.confidence, data.label, bins), notes=tuple(ctx.notes))
+        online_all_slots=measure(data.confidence, data.label, bins), notes=tuple(ctx.notes),
+        replays={k: _replay_summary(r, data, bins) for k, r in ctx.replays.items()})
 
 
 def build_report(log_dir: LogDirs, out_dir: str | os.PathLike, bins: int = DEFAULT_BINS,
@@ -540,8 +599,8 @@ def build_report(log_dir: LogDirs, out_dir: str | os.PathLike, bins: int = DEFAU
 
 # ---- plots -----------------------------------------------------------------------------------
 
-RELIABILITY_SCORERS = ("q_max", "online", "shared")
-POSITION_PLOT_SCORERS = ("q_max", "online", "shared", "per_position", "entropy_rank", "margin_rank",
+RELIABILITY_SCORERS = ("q_max", "online", "online_pooled", "shared")
+POSITION_PLOT_SCORERS = ("q_max", "online", "online_pooled", "online_windowed", "shared", "per_position", "entropy_rank", "margin_rank",
                          "q_sampled", "head")
 
 
@@ -654,7 +713,7 @@ def _calibration_table(report: Report) -> str:
     reported = {"q_max": ("0.784 / 0.723", "0.0736"), "online": ("—", "0.0100")}
     observed = report.held_out_acceptance
     body = []
-    for key in ("q_max", "online", "shared", "per_position"):
+    for key in ("q_max", "online", *report.replays, "shared", "per_position"):
         m = report.result(key).metrics
         body.append([_names()[key], _fmt(observed + m.calibration_gap), _fmt(observed),
                      _fmt(m.calibration_gap), _fmt(m.ece), *reported.get(key, ("", ""))])
@@ -663,13 +722,22 @@ def _calibration_table(report: Report) -> str:
 
 
 def _fit_table(report: Report) -> str:
+    """Offline fits per position, with the online replays' final parameters beside them."""
     shared, per = report.fits.get("shared"), report.fits.get("per_position")
     if shared is None or per is None:
         return ""
+    replays = report.replays.values()
     body = [[str(i + 1), f"{shared.count[i]:,}", _fmt(shared.slope[i]), _fmt(shared.intercept[i]),
-             _fmt(per.slope[i]), _fmt(per.intercept[i])] for i in range(shared.slope.size)]
+             _fmt(per.slope[i]), _fmt(per.intercept[i]),
+             *[f"{_fmt(r.slope)} / {_fmt(r.intercepts[i]) if i < r.intercepts.size else '—'}" for r in replays]]
+            for i in range(shared.slope.size)]
+    names = [f"{_names()[k].split(': ')[-1]}: final ω / β" for k in report.replays]
     return _md_table(["position", "training slots", "shared ω", "β (shared ω)", "per-position slope",
-                      "per-position intercept"], body)
+                      "per-position intercept", *names], body)
+
+
+def _config_text(config: EstimatorConfig) -> str:
+    return ", ".join(f"{f.name}={getattr(config, f.name)}" for f in dataclasses.fields(config))
 
 
 def _meta_text(meta: dict) -> str:
@@ -696,6 +764,9 @@ def _summary(report: Report, log_dirs: list[Path]) -> list[str]:
         f"{_fmt(report.online_all_slots.auc)}, log-loss {_fmt(report.online_all_slots.log_loss)}, "
         f"ECE {_fmt(report.online_all_slots.ece)}.",
     ]
+    lines += [f"- {_names()[k].split(', ')[-1]} over all {report.num_slots:,} slots ({r.num_steps:,} steps, "
+              f"{r.num_refits:,} refits, {r.num_changes:,} changes detected): AUC {_fmt(r.all_slots.auc)}, log-loss {_fmt(r.all_slots.log_loss)}, "
+              f"ECE {_fmt(r.all_slots.ece)}; config {_config_text(r.config)}" for k, r in report.replays.items()]
     lines += [f"- subsampling: {note}" for note in report.notes] or ["- subsampling: none"]
     return lines
 
@@ -724,7 +795,8 @@ def render_markdown(report: Report, log_dirs: list[Path]) -> str:
         "## Excluding position 1", "", _scorer_table(report.excluding_first, excluding_first=True), "",
         "## Per position: AUC", "", _position_table(report.per_position, "auc"), "",
         "## Per position: log-loss", "", _position_table(report.per_position, "log_loss"), "",
-        "## Offline fits of logit(q_max) (training requests)", "", _fit_table(report), "",
+        "## Offline fits of logit(q_max) (training requests) and where the online replays ended", "",
+        _fit_table(report), "",
         *_workload_section(report),
         "## Calibration (held-out slots)", "", _calibration_table(report), "",
         "## Plots", "", *plots, "",
