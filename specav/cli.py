@@ -356,6 +356,7 @@ BENCHMARKS = {
     "quantized": "specav.bench.quantized",
     "adaptive": "specav.bench.adaptive",
     "serve": "specav.bench.serve",
+    "step_overhead": "specav.bench.step_overhead",
 }
 
 

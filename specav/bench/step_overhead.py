@@ -1,0 +1,97 @@
+"""Benchmark: what an engine step spends outside the two models' forwards.
+
+    python -m specav.bench.step_overhead [--batches 1,8] [--k 4] [--tokens 48] [--threads 2]
+
+Runs the packaged pair (auto) with static K on chat prompts, temperature 0.7, top-k 20,
+top-p 0.8 (EOS ignored), timing every call of the target's and the drafter's packed forward.
+Printed per batch size, in milliseconds per step: the whole step, the two models' forwards, and
+what is left: the drafter's per-slot work (processed distributions, sampling, features), the
+verifier's distributions, and the rest (scoring, planning, rejection sampling, commit).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from specav.config import EngineConfig, SamplingParams, SpeculativeConfig
+from specav.drafting import DraftModelDrafter
+from specav.engine.engine import Engine, eos_token_ids
+from specav.evaluation.workloads import load_workload
+from specav.models import load_checkpoint
+from specav.prompts import encode_prompt
+
+
+class _ForwardTimer:
+    """Adds the wall time of a model's forward calls to `seconds`."""
+
+    def __init__(self, model) -> None:
+        self.seconds = 0.0
+        original = model.forward
+
+        def forward(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - start
+
+        model.forward = forward
+
+
+def measure(target, drafter, batch: int, k: int, tokens: int) -> dict[str, float]:
+    spec = SpeculativeConfig(num_speculative_tokens=k)
+    engine = Engine(target.model, target.tokenizer, DraftModelDrafter(drafter.model),
+                    EngineConfig(speculative=spec, max_batch_size=batch), eos_token_ids(target))
+    target_timer, drafter_timer = _ForwardTimer(target.model), _ForwardTimer(drafter.model)
+    prompts = [encode_prompt(target.tokenizer, messages=p.chat()) for p in load_workload("chat")[:batch]]
+    params = [SamplingParams(temperature=0.7, top_k=20, top_p=0.8, max_tokens=tokens, seed=i, ignore_eos=True)
+              for i in range(batch)]
+    for prompt, p in zip(prompts, params):
+        engine.add_request(prompt, p)
+    engine.step()  # the prefill step is left out
+    target_timer.seconds = drafter_timer.seconds = 0.0
+    stages = {"step": 0.0, "draft": 0.0, "verify": 0.0}
+    steps = 0
+    engine.step_listeners.append(lambda r: (stages.__setitem__("draft", stages["draft"] + r.times.draft),
+                                            stages.__setitem__("verify", stages["verify"] + r.times.verify)))
+    while engine.has_work():
+        start = time.perf_counter()
+        engine.step()
+        stages["step"] += time.perf_counter() - start
+        steps += 1
+    del target.model.forward, drafter.model.forward  # back to the class's method
+    ms = {name: 1e3 * s / steps for name, s in stages.items()}
+    ms["target forward"] = 1e3 * target_timer.seconds / steps
+    ms["drafter forwards"] = 1e3 * drafter_timer.seconds / steps
+    ms["drafter outside its forwards"] = ms["draft"] - ms["drafter forwards"]
+    ms["verifier outside the forward"] = ms["verify"] - ms["target forward"]
+    ms["rest of the step"] = ms["step"] - ms["draft"] - ms["verify"]
+    ms["outside the forwards"] = ms["step"] - ms["target forward"] - ms["drafter forwards"]
+    return ms
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batches", default="1,8")
+    parser.add_argument("--k", type=int, default=4)
+    parser.add_argument("--tokens", type=int, default=48)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    target = load_checkpoint("default", "auto", role="target")
+    drafter = load_checkpoint("default", "auto", role="drafter")
+    batches = [int(b) for b in args.batches.split(",")]
+    rows = {b: measure(target, drafter, b, args.k, args.tokens) for b in batches}
+    print(f"ms per decoding step, static K={args.k}, {args.tokens} tokens per request, {torch.get_num_threads()} "
+          f"threads, temperature 0.7 / top-k 20 / top-p 0.8")
+    print(f"{'':<32}" + "".join(f"{f'batch {b}':>12}" for b in batches))
+    for name in ("step", "target forward", "drafter forwards", "drafter outside its forwards",
+                 "verifier outside the forward", "rest of the step", "outside the forwards"):
+        print(f"{name:<32}" + "".join(f"{rows[b][name]:>12.2f}" for b in batches))
+
+
+if __name__ == "__main__":
+    main()
