@@ -23,7 +23,7 @@ import torch
 from specav.config import ConfigError, EngineConfig, ModelConfig, SamplingParams, SpeculativeConfig
 from specav.drafting import DraftModelDrafter
 from specav.engine.engine import Engine
-from specav.engine.sampling_rows import SamplingRows
+from specav.verification.sampling_rows import SamplingRows
 from specav.models import load_checkpoint
 from specav.models.packed import PackedCausalLM
 from specav.models.quant import QuantizedLinear
@@ -191,8 +191,8 @@ class FullQReported:
         self.inner = DraftModelDrafter(model, keep_hidden=True)
         self.full_head = full_head
 
-    def propose(self, requests, num_slots):
-        drafts = self.inner.propose(requests, num_slots)
+    def propose(self, requests, num_slots, stop_rule=None):
+        drafts = self.inner.propose(requests, num_slots, stop_rule)
         if drafts.hidden is None:  # nothing drafted this step
             return drafts
         rows = SamplingRows.of(requests, drafts.num_drafted.tolist())
@@ -255,3 +255,20 @@ def test_subset_q_is_zero_outside_the_subset(pair):
     assert probs.shape[0] > 0 and (probs[:, outside] == 0).all()
     assert torch.allclose(probs.sum(-1), torch.ones(probs.shape[0]))
     assert not math.isnan(float(probs.sum()))
+
+
+@pytest.mark.e2e
+def test_shipped_ranking_is_reproduced_from_its_sources():
+    import platform
+
+    from transformers import AutoTokenizer
+
+    from specav.models import packaged
+    from specav.models.vocab_ranking import source_texts
+
+    path = packaged.assembled_gguf(packaged.DRAFTER)
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    shipped = load_ranking(tokenizer)  # the packaged drafter's vocabulary: the fingerprint matches
+    if shipped.python != platform.python_version():
+        pytest.skip(f"the shipped ranking was made on Python {shipped.python}; its stdlib text may differ here")
+    assert build_ranking(tokenizer, source_texts()) == shipped
