@@ -27,8 +27,8 @@ from specav.verification.sampling_rows import SamplingRows
 from specav.models import load_checkpoint
 from specav.models.packed import PackedCausalLM
 from specav.models.quant import QuantizedLinear
-from specav.models.vocab_ranking import (VocabRanking, VocabRankingError, build_ranking, load_ranking,
-                                         vocab_fingerprint)
+from specav.models.vocab_ranking import (VocabRanking, VocabRankingError, build_ranking, interleave,
+                                         load_ranking, vocab_fingerprint)
 from specav.models.vocab_subset import VocabSubsetHead, set_head, subset_head
 from tests.test_lossless import PROMPT, V, empirical_joint, exact_joint, p_value
 from tests.test_quant import VOCAB as GGUF_VOCAB, fake_measure, write_tiny_gguf
@@ -114,13 +114,14 @@ def test_packed_forward_uses_the_subset_head():
 
 
 def test_ranking_hand_case_and_determinism():
-    tokenizer = tiny_tokenizer(8)  # <pad>, <eos>, w0..w5
-    ids = tokenizer.get_vocab()
+    tokenizer = tiny_tokenizer(8)  # <pad> 0, <eos> 1 (special), w0..w5 = 2..7
     sources = {"code": ["w0 w0 w1", "w0 w1 w4"], "prose": ["w2 w2 w0"]}
     ranking = build_ranking(tokenizer, sources)
-    special = sorted(tokenizer.get_added_vocab().values())
-    # w0: (3/6 + 1/3) / 2, w2: (0 + 2/3) / 2, w1: (2/6) / 2, w4: (1/6) / 2
-    assert list(ranking.ranked_ids) == special + [ids["w0"], ids["w2"], ids["w1"], ids["w4"]]
+    # by text: specials, then w0 (3/6 + 1/3) / 2, w2 (0 + 2/3) / 2, w1 (2/6) / 2, w4 (1/6) / 2
+    by_text = [0, 1, 2, 4, 3, 6]
+    assert interleave(by_text, list(range(8))) == [0, 1, 2, 4, 3, 6, 5]  # 5 comes with 6's id-order pair
+    assert list(ranking.ranked_ids) == [0, 1, 2, 4, 3, 6, 5]
+    assert interleave([7, 6], list(range(8))) == [7, 0, 6, 1]  # stops once the text ranking is placed
     assert ranking.sources == {"code": {"documents": 2, "tokens": 6}, "prose": {"documents": 1, "tokens": 3}}
     again = build_ranking(tokenizer, sources)
     assert again.to_json() == ranking.to_json()

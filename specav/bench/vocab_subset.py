@@ -4,7 +4,7 @@
                                         [--prompts 4] [--tokens 96] [--k 4] [--threads 2] [--dtype auto]
 
 The packaged pair in --dtype; every N of --sizes (and the full head) on the same drafter, in
-one run. Three parts (run `timing` alone under an exclusive lock, the others under a shared one):
+one run. Three parts (`timing` and `engine` measure time; `acceptance` does not):
 
 - timing: the drafter's output head alone and its whole one-row forward on a 128-token
   context, per N, the heads taking turns (median of --repeats), as a ratio to the full head;
@@ -13,13 +13,15 @@ one run. Three parts (run `timing` alone under an exclusive lock, the others und
   (temperature 0.7, top-k 20, top-p 0.8, seeded); at every position of it, p from the target
   and q_N from the drafter (its full logits with -inf outside the N-token subset, which equals
   the subset head's output: tests/test_vocab_subset.py), both after the same sampling
-  transforms. Printed per workload (code, chat, prose) and N: the expected acceptance of a
+  transforms; rows "N id" take the N lowest token ids instead of the shipped ranking (a BPE
+  vocabulary's ids follow its merge order, itself a frequency ranking of the tokenizer's corpus). Printed per workload (code, chat, prose) and N: the expected acceptance of a
   draft token, alpha = sum_x min(p(x), q_N(x)), averaged over positions, its ratio to the
   full head's, and the target's probability mass inside the subset. Every N sees the same
   positions, so the differences are not sampling noise.
-- engine: speculative decoding through the engine with static K = --k, the real subset
-  heads, same prompts and seeds: acceptance rate (accepted / admitted) and mean acceptance
-  length (tokens per request per step).
+- engine: speculative decoding at batch 1 through the engine with static K = --k and the real
+  subset heads, every prompt run with each head in turns, same seeds: acceptance rate
+  (accepted / admitted), slot-1 acceptance, mean acceptance length (tokens per request per
+  step) and tokens/s after the prefill step (timed: run it under an exclusive lock too).
 
 This program owns no model logic; it loads and decodes like the engine.
 """
@@ -102,6 +104,17 @@ def time_heads(drafter: Checkpoint, target: Checkpoint, heads: Heads, repeats: i
     return {name: {k: statistics.median(v[1:]) for k, v in s.items()} for name, s in samples.items()}
 
 
+def subset_logits_equal(heads: Heads, hidden_size: int, dtype: torch.dtype) -> dict[str, bool]:
+    """Whether each subset head's logits equal the full head's on its subset, at 1 and 5 rows."""
+    out = {}
+    for rows in (1, 5):
+        x = torch.randn(rows, hidden_size, generator=torch.Generator().manual_seed(rows)).to(dtype)
+        full = heads.modules[FULL](x)
+        for name, ids in heads.token_ids.items():
+            out[name] = out.get(name, True) and torch.equal(heads.modules[name](x)[:, ids], full[:, ids])
+    return out
+
+
 def print_timing(times: dict[str, dict[str, float]], heads: Heads) -> None:
     target_ms, full = times["target"]["forward_ms"], times[FULL]
     print(f"\ndrafter one-row forward on a {CONTEXT}-token context, per output head (median, heads in turns); "
@@ -144,6 +157,8 @@ def forced_acceptance(target: Checkpoint, drafter: Checkpoint, heads: Heads, pro
     for name, ids in heads.token_ids.items():
         masks[name] = torch.zeros(vocab, dtype=torch.bool)
         masks[name][ids] = True
+    for name, ids in list(heads.token_ids.items()):  # the baseline ranking: token ids (BPE merge order)
+        masks[f"{name} id"] = torch.arange(vocab) < len(ids)
     sums = {name: {"alpha": 0.0, "coverage": 0.0} for name in masks}
     positions = 0
     for prompt, continuation in zip(prompts, continuations):
@@ -159,20 +174,33 @@ def forced_acceptance(target: Checkpoint, drafter: Checkpoint, heads: Heads, pro
 
 # ---- engine runs ---------------------------------------------------------------------------------
 
-def engine_acceptance(target: Checkpoint, drafter: Checkpoint, heads: Heads, prompts: list[list[int]],
-                      tokens: int, k: int) -> dict[str, dict[str, float]]:
-    """name -> acceptance rate, mean acceptance length, first-slot acceptance of static-K speculative decoding."""
-    out, full = {}, drafter.model.lm_head
-    for name, head in heads.modules.items():
-        set_head(drafter.model, head)
-        engine = Engine(target.model, target.tokenizer, DraftModelDrafter(drafter.model),
-                        EngineConfig(speculative=SpeculativeConfig(num_speculative_tokens=k)), eos_token_ids(target))
-        params = [SamplingParams(max_tokens=tokens, seed=i, ignore_eos=True, **SAMPLING) for i in range(len(prompts))]
-        engine.generate(prompts, params)
-        s = engine.stats
-        out[name] = {"rate": s.accepted / s.admitted, "length": s.mean_acceptance_length,
-                     "first": s.acceptance_per_position[0]}
+def engine_runs(target: Checkpoint, drafter: Checkpoint, heads: Heads, prompts: list[list[int]],
+                tokens: int, k: int) -> dict[str, dict[str, float]]:
+    """name -> acceptance rate, slot-1 acceptance, mean acceptance length and tokens/s after the prefill
+    step of static-K speculative decoding at batch 1, each prompt run with every head in turns."""
+    full = drafter.model.lm_head
+    engines = {name: Engine(target.model, target.tokenizer, DraftModelDrafter(drafter.model),
+                            EngineConfig(speculative=SpeculativeConfig(num_speculative_tokens=k)),
+                            eos_token_ids(target)) for name in heads.modules}
+    emitted, seconds = dict.fromkeys(heads.modules, 0), dict.fromkeys(heads.modules, 0.0)
+    for i, prompt in enumerate(prompts):
+        for name, engine in engines.items():
+            set_head(drafter.model, heads.modules[name])
+            request = engine.add_request(prompt, SamplingParams(max_tokens=tokens, seed=i, ignore_eos=True,
+                                                                **SAMPLING))
+            engine.step()  # the prefill step: not timed
+            first = len(request.output_ids)
+            start = time.perf_counter()
+            while engine.has_work():
+                engine.step()
+            seconds[name] += time.perf_counter() - start
+            emitted[name] += len(request.output_ids) - first
     set_head(drafter.model, full)
+    out = {}
+    for name, engine in engines.items():
+        s = engine.stats
+        out[name] = {"rate": s.accepted / s.admitted, "first": s.acceptance_per_position[0],
+                     "length": s.mean_acceptance_length, "tps": emitted[name] / seconds[name]}
     return out
 
 
@@ -180,11 +208,11 @@ def print_acceptance(title: str, columns: dict[str, str], per_workload: dict[str
                      ratio_of: str) -> None:
     print(f"\n{title}")
     head = "".join(f"{label:>12}" for label in columns.values())
-    print(f"  {'workload':<9}{'head':<8}{head}{'vs full':>9}")
+    print(f"  {'workload':<9}{'head':<10}{head}{'vs full':>9}")
     for workload, rows in per_workload.items():
         for name, values in rows.items():
             cells = "".join(f"{values[key]:>12.3f}" for key in columns)
-            print(f"  {workload:<9}{name:<8}{cells}{values[ratio_of] / rows[FULL][ratio_of]:>9.3f}")
+            print(f"  {workload:<9}{name:<10}{cells}{values[ratio_of] / rows[FULL][ratio_of]:>9.3f}")
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -210,6 +238,8 @@ def main(argv: list[str] | None = None) -> None:
     heads = build_heads(drafter, [int(n) for n in args.sizes.split(",") if n])
     print(f"packaged pair in {args.dtype}, {args.threads} threads, torch {torch.__version__}; drafter heads: "
           f"{', '.join(heads.modules)}; sampling {SAMPLING}")
+    equal = subset_logits_equal(heads, drafter.model.config.hidden_size, drafter.model.dtype)
+    print(f"subset heads' logits equal the full head's on their subsets (1 and 5 rows): {equal}")
     if "timing" in parts:
         print_timing(time_heads(drafter, target, heads, args.repeats), heads)
     prompts = {w: [encode_prompt(target.tokenizer, messages=p.chat()) for p in load_workload(w)[:args.prompts]]
@@ -222,10 +252,11 @@ def main(argv: list[str] | None = None) -> None:
                          f"{args.tokens} tokens per workload): alpha = mean sum_x min(p, q_N)",
                          {"alpha": "alpha", "coverage": "p in subset"}, forced, "alpha")
     if "engine" in parts:
-        runs = {w: engine_acceptance(target, drafter, heads, ps, args.tokens, args.k) for w, ps in prompts.items()}
-        print_acceptance(f"speculative decoding, static K={args.k}, {args.prompts} prompts x {args.tokens} tokens "
-                         f"per workload (one batch), same seeds", {"rate": "accept rate", "first": "slot 1",
-                                                                   "length": "mean length"}, runs, "length")
+        runs = {w: engine_runs(target, drafter, heads, ps, args.tokens, args.k) for w, ps in prompts.items()}
+        print_acceptance(f"speculative decoding at batch 1, static K={args.k}, {args.prompts} prompts x {args.tokens} "
+                         f"tokens per workload, heads in turns, same seeds; tokens/s after the prefill step; "
+                         f"'vs full' compares tokens/s", {"rate": "accept rate", "first": "slot 1",
+                                                          "length": "mean length", "tps": "tokens/s"}, runs, "tps")
 
 
 if __name__ == "__main__":

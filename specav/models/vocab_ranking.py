@@ -13,13 +13,18 @@ are what the measurement of the subset head runs on, docs/quantized.md):
   without site-packages: code, comments and docstrings;
 - `pydoc_data.topics`: the language reference's topic texts (English prose about code).
 
-Score of a token: its relative frequency in each source, averaged over the sources with
-equal weight (so the code's volume does not drown the prose). Order: special (added) tokens
-first, then by score, then by total count, then by token id; so the ranking is a pure
-function of the tokenizer and the sources' text, and the same Python version reproduces it
-byte for byte (the file records the Python version and each source's size). Tokens that
-never occur are not listed; `VocabRanking.top(n)` fills beyond the listed ones in token-id
-order.
+Order. By text: special (added) tokens first, then each token's relative frequency in each
+source averaged over the sources with equal weight (so the code's volume does not drown the
+prose), ties by total count, then by token id. That ranking knows code and technical English
+well and everyday English poorly (" doctor", " river" never occur in the standard library),
+so the shipped order alternates it with the tokenizer's own id order, skipping repeats: a
+byte-level BPE vocabulary's ids follow its merge order, itself a frequency ranking of the
+tokenizer's (general, multilingual) training text. Measured on the packaged pair, the
+alternation keeps the text ranking's acceptance on code and most of the id order's on chat
+and prose (docs/quantized.md). The list ends where the text ranking is used up;
+`VocabRanking.top(n)` continues in id order. So the ranking is a pure function of the
+tokenizer and the sources' text, and the same Python version reproduces it byte for byte
+(the file records the Python version and each source's size).
 
 Must not know: models, heads or the engine.
 """
@@ -126,10 +131,26 @@ def build_ranking(tokenizer, sources: dict[str, list[str]]) -> VocabRanking:
     score = {t: sum(c[t] / totals[n] for n, c in counts.items()) / len(counts) for t in seen}
     total = {t: sum(c[t] for c in counts.values()) for t in seen}
     special = sorted(set(tokenizer.get_added_vocab().values()))
-    ranked = special + sorted(seen - set(special), key=lambda t: (-score[t], -total[t], t))
+    by_text = special + sorted(seen - set(special), key=lambda t: (-score[t], -total[t], t))
+    ranked = interleave(by_text, sorted(tokenizer.get_vocab().values()))
     return VocabRanking(vocab_fingerprint(tokenizer), tuple(ranked),
                         {n: {"documents": len(d), "tokens": sum(counts[n].values())} for n, d in sources.items()},
                         platform.python_version())
+
+
+def interleave(by_text: list[int], by_id: list[int]) -> list[int]:
+    """Alternate between the two rankings, skipping ids already taken, until `by_text` is used up
+    (beyond that, the ranking is id order, which `VocabRanking.top` fills in)."""
+    ranked, taken, pending = [], set(), set(by_text)
+    for pair in zip(by_text, by_id):
+        for t in pair:
+            if t not in taken:
+                taken.add(t)
+                pending.discard(t)
+                ranked.append(t)
+        if not pending:
+            break
+    return ranked
 
 
 def _count(tokenizer, documents: Iterable[str]) -> Counter:
