@@ -154,9 +154,10 @@ def test_ranking_for_another_vocabulary_is_refused(tmp_path):
 
 
 def test_config_field():
-    assert SpeculativeConfig().draft_vocab_size is None
+    assert SpeculativeConfig().draft_vocab_size == "auto"
     assert SpeculativeConfig.from_json('{"draft_vocab_size": 32768}').draft_vocab_size == 32768
-    for bad in (0, -1, True, 2.0, "32k"):
+    assert SpeculativeConfig.from_json('{"draft_vocab_size": null}').draft_vocab_size is None
+    for bad in (0, -1, True, 2.0, "32k", "Auto"):
         with pytest.raises(ConfigError, match="draft_vocab_size"):
             SpeculativeConfig(draft_vocab_size=bad)
 
@@ -166,17 +167,24 @@ def test_from_config_applies_the_subset_to_the_drafter(tmp_path, monkeypatch):
 
     target = save_tiny_checkpoint(tmp_path / "target", seed=0)
     drafter = save_tiny_checkpoint(tmp_path / "drafter", seed=1)
-    config = EngineConfig(target=ModelConfig(target, dtype="fp32"),
-                          speculative=SpeculativeConfig(model=drafter, draft_vocab_size=40))
+
+    def engine(size):
+        return Engine.from_config(EngineConfig(target=ModelConfig(target, dtype="fp32"),
+                                               speculative=SpeculativeConfig(model=drafter, draft_vocab_size=size)))
+
     with pytest.raises(VocabRankingError, match="draft_vocab_size.*another vocabulary"):
-        Engine.from_config(config)  # the shipped ranking is not for the tiny tokenizer
+        engine(40)  # asked for, but the shipped ranking is not for the tiny tokenizer
+    for size in ("auto", None):  # auto: no ranking fits, so the full head stays
+        assert isinstance(engine(size).drafter.model.lm_head, torch.nn.Linear)
     words = " ".join(f"w{i}" for i in range(50))
-    monkeypatch.setattr(vocab_subset, "load_ranking",
-                        lambda tokenizer: build_ranking(tokenizer, {"text": [words]}))
-    engine = Engine.from_config(config)
-    head = engine.drafter.model.lm_head
+    monkeypatch.setattr(vocab_subset, "load_ranking", lambda tokenizer: build_ranking(tokenizer, {"text": [words]}))
+    head = engine(40).drafter.model.lm_head
     assert isinstance(head, VocabSubsetHead) and head.token_ids.numel() == 40
-    out = engine.generate([[3, 4, 5]], SamplingParams(temperature=1.0, max_tokens=6, seed=0))[0]
+    assert isinstance(engine("auto").drafter.model.lm_head, torch.nn.Linear)  # 96 tokens <= AUTO_VOCAB_SIZE
+    monkeypatch.setattr(vocab_subset, "AUTO_VOCAB_SIZE", 48)
+    auto = engine("auto")
+    assert isinstance(auto.drafter.model.lm_head, VocabSubsetHead) and auto.drafter.model.lm_head.token_ids.numel() == 48
+    out = auto.generate([[3, 4, 5]], SamplingParams(temperature=1.0, max_tokens=6, seed=0))[0]
     assert len(out.output_ids) == 6
 
 

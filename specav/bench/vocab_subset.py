@@ -21,7 +21,8 @@ one run. Three parts (`timing` and `engine` measure time; `acceptance` does not)
 - engine: speculative decoding at batch 1 through the engine with static K = --k and the real
   subset heads, every prompt run with each head in turns, same seeds: acceptance rate
   (accepted / admitted), slot-1 acceptance, mean acceptance length (tokens per request per
-  step) and tokens/s after the prefill step (timed: run it under an exclusive lock too).
+  step) and tokens/s after the prefill step (timed: run it under an exclusive lock too); requests
+  stop at EOS, as in use (past EOS a chat model writes text no ranking expects).
 
 This program owns no model logic; it loads and decodes like the engine.
 """
@@ -186,7 +187,7 @@ def engine_runs(target: Checkpoint, drafter: Checkpoint, heads: Heads, prompts: 
     for i, prompt in enumerate(prompts):
         for name, engine in engines.items():
             set_head(drafter.model, heads.modules[name])
-            request = engine.add_request(prompt, SamplingParams(max_tokens=tokens, seed=i, ignore_eos=True,
+            request = engine.add_request(prompt, SamplingParams(max_tokens=tokens, seed=i,
                                                                 **SAMPLING))
             engine.step()  # the prefill step: not timed
             first = len(request.output_ids)
