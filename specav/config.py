@@ -144,11 +144,10 @@ class SpeculativeConfig:
 
     model: drafter checkpoint (local HF directory, GGUF file, or "default" for the packaged drafter).
     draft_vocab_size: the drafter's output head computes only this many of the most frequent
-    tokens (ranked once, offline: specav/models/vocab_ranking.py), q = 0 for the rest; null =
-    the full vocabulary; "auto" (the default) = 65536 where a ranking for the drafter's
-    tokenizer ships (the packaged pair) and its vocabulary is larger, else the full head.
-    Lossless either way (rejection sampling uses the q the drafts were sampled from); it
-    trades acceptance for drafter time, measured in docs/quantized.md.
+    tokens (ranked once, offline: specav/models/vocab_ranking.py), q = 0 for the rest; null (the
+    default) = the full vocabulary: on the packaged pair no N paid on every workload (65536 came
+    closest, docs/quantized.md). Lossless either way: rejection sampling uses the q the drafts
+    were sampled from.
     """
 
     model: str = "default"
@@ -156,7 +155,7 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 4
     draft_sample_method: str = "probabilistic"
     enable_adaptive_verification: bool = False
-    draft_vocab_size: int | str | None = "auto"
+    draft_vocab_size: int | None = None
 
     def __post_init__(self) -> None:
         w = "speculative_config"
@@ -169,10 +168,10 @@ class SpeculativeConfig:
                self.draft_sample_method, f"one of {DRAFT_SAMPLE_METHODS}")
         _check(isinstance(self.enable_adaptive_verification, bool), w,
                "enable_adaptive_verification", self.enable_adaptive_verification, "true or false")
-        _check(self.draft_vocab_size in (None, "auto") or (isinstance(self.draft_vocab_size, int) and
-                                                           not isinstance(self.draft_vocab_size, bool) and
-                                                           self.draft_vocab_size >= 1),
-               w, "draft_vocab_size", self.draft_vocab_size, "an integer >= 1, \"auto\" or null (the full head)")
+        _check(self.draft_vocab_size is None or (isinstance(self.draft_vocab_size, int) and
+                                                 not isinstance(self.draft_vocab_size, bool) and
+                                                 self.draft_vocab_size >= 1),
+               w, "draft_vocab_size", self.draft_vocab_size, "an integer >= 1 or null (the full head)")
 
     @property
     def planner(self) -> str:

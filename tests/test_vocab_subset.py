@@ -154,10 +154,10 @@ def test_ranking_for_another_vocabulary_is_refused(tmp_path):
 
 
 def test_config_field():
-    assert SpeculativeConfig().draft_vocab_size == "auto"
+    assert SpeculativeConfig().draft_vocab_size is None
     assert SpeculativeConfig.from_json('{"draft_vocab_size": 32768}').draft_vocab_size == 32768
     assert SpeculativeConfig.from_json('{"draft_vocab_size": null}').draft_vocab_size is None
-    for bad in (0, -1, True, 2.0, "32k", "Auto"):
+    for bad in (0, -1, True, 2.0, "32k", "auto"):
         with pytest.raises(ConfigError, match="draft_vocab_size"):
             SpeculativeConfig(draft_vocab_size=bad)
 
@@ -172,20 +172,18 @@ def test_from_config_applies_the_subset_to_the_drafter(tmp_path, monkeypatch):
         return Engine.from_config(EngineConfig(target=ModelConfig(target, dtype="fp32"),
                                                speculative=SpeculativeConfig(model=drafter, draft_vocab_size=size)))
 
+    assert isinstance(engine(None).drafter.model.lm_head, torch.nn.Linear)  # the default: the full head
     with pytest.raises(VocabRankingError, match="draft_vocab_size.*another vocabulary"):
-        engine(40)  # asked for, but the shipped ranking is not for the tiny tokenizer
-    for size in ("auto", None):  # auto: no ranking fits, so the full head stays
-        assert isinstance(engine(size).drafter.model.lm_head, torch.nn.Linear)
+        engine(40)  # the shipped ranking is not for the tiny tokenizer
     words = " ".join(f"w{i}" for i in range(50))
     monkeypatch.setattr(vocab_subset, "load_ranking", lambda tokenizer: build_ranking(tokenizer, {"text": [words]}))
-    head = engine(40).drafter.model.lm_head
+    subset = engine(40)
+    head = subset.drafter.model.lm_head
     assert isinstance(head, VocabSubsetHead) and head.token_ids.numel() == 40
-    assert isinstance(engine("auto").drafter.model.lm_head, torch.nn.Linear)  # 96 tokens <= AUTO_VOCAB_SIZE
-    monkeypatch.setattr(vocab_subset, "AUTO_VOCAB_SIZE", 48)
-    auto = engine("auto")
-    assert isinstance(auto.drafter.model.lm_head, VocabSubsetHead) and auto.drafter.model.lm_head.token_ids.numel() == 48
-    out = auto.generate([[3, 4, 5]], SamplingParams(temperature=1.0, max_tokens=6, seed=0))[0]
+    out = subset.generate([[3, 4, 5]], SamplingParams(temperature=1.0, max_tokens=6, seed=0))[0]
     assert len(out.output_ids) == 6
+    with pytest.raises(VocabRankingError, match=r"draft_vocab_size = 97 .*\[1, 96\]"):
+        engine(97)
 
 
 # ---------------------------------------------------------------- losslessness

@@ -19,9 +19,9 @@ prose), ties by total count, then by token id. That ranking knows code and techn
 well and everyday English poorly (" doctor", " river" never occur in the standard library),
 so the shipped order alternates it with the tokenizer's own id order, skipping repeats: a
 byte-level BPE vocabulary's ids follow its merge order, itself a frequency ranking of the
-tokenizer's (general, multilingual) training text. Measured on the packaged pair, the
-alternation keeps the text ranking's acceptance on code and most of the id order's on chat
-and prose (docs/quantized.md). The list ends where the text ranking is used up;
+tokenizer's (general, multilingual) training text. Ranked by the text alone, chat and prose
+lost more acceptance than with plain id order; the alternation is better than id order on
+code and close to it on chat and prose (docs/quantized.md). The list ends where the text ranking is used up;
 `VocabRanking.top(n)` continues in id order. So the ranking is a pure function of the
 tokenizer and the sources' text, and the same Python version reproduces it byte for byte
 (the file records the Python version and each source's size).

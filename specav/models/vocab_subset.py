@@ -37,10 +37,6 @@ from specav.models.quant_formats import GGUFWeight
 from specav.models.quant_gguf import read_header
 from specav.models.vocab_ranking import VocabRanking, VocabRankingError, load_ranking
 
-# draft_vocab_size "auto": measured on the packaged pair, 65536 tokens keep 98-100% of the draft tokens'
-# acceptance and cut the drafter's forward by 13% (docs/quantized.md); smaller subsets lose more acceptance.
-AUTO_VOCAB_SIZE = 65536
-
 
 class VocabSubsetHead(nn.Module):
     """logits # [T, V]: the rows of `token_ids` from `rows` (an N-row head), -inf everywhere else."""
@@ -121,23 +117,10 @@ def set_head(model: PackedCausalLM, head: nn.Module) -> None:
     model.lm_head = head
 
 
-def apply_vocab_subset(checkpoint: Checkpoint, size: int | str,
-                       ranking: VocabRanking | None = None) -> VocabSubsetHead | None:
+def apply_vocab_subset(checkpoint: Checkpoint, size: int, ranking: VocabRanking | None = None) -> VocabSubsetHead:
     """Give the checkpoint's model a head over its `size` most frequent tokens (the shipped ranking for its
-    tokenizer unless one is given); the full head is dropped. Returns the new head.
-
-    size "auto": AUTO_VOCAB_SIZE where a ranking fits the tokenizer, the vocabulary is larger and the
-    head is one `subset_head` can cut; otherwise the full head stays and None is returned.
-    """
+    tokenizer unless one is given); the full head is dropped. Returns the new head."""
     model = checkpoint.model
-    if size == "auto":
-        if model.vocab_size <= AUTO_VOCAB_SIZE or type(model.lm_head) not in _ROW_BUILDERS:
-            return None
-        try:
-            ranking = ranking or load_ranking(checkpoint.tokenizer)
-        except VocabRankingError:
-            return None
-        size = AUTO_VOCAB_SIZE
     ranking = ranking or load_ranking(checkpoint.tokenizer)
     head = subset_head(model.lm_head, ranking.top(size, model.vocab_size), model.vocab_size, checkpoint.gguf_path)
     set_head(model, head)
