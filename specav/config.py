@@ -143,6 +143,11 @@ class SpeculativeConfig:
     """vLLM-style speculative config, e.g. the JSON of `--speculative-config`.
 
     model: drafter checkpoint (local HF directory, GGUF file, or "default" for the packaged drafter).
+    draft_vocab_size: the drafter's output head computes only this many of the most frequent
+    tokens (ranked once, offline: specav/models/vocab_ranking.py), q = 0 for the rest; null (the
+    default) = the full vocabulary: on the packaged pair no N paid on every workload (65536 came
+    closest, docs/quantized.md). Lossless either way: rejection sampling uses the q the drafts
+    were sampled from.
     """
 
     model: str = "default"
@@ -150,6 +155,7 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 4
     draft_sample_method: str = "probabilistic"
     enable_adaptive_verification: bool = False
+    draft_vocab_size: int | None = None
 
     def __post_init__(self) -> None:
         w = "speculative_config"
@@ -162,6 +168,10 @@ class SpeculativeConfig:
                self.draft_sample_method, f"one of {DRAFT_SAMPLE_METHODS}")
         _check(isinstance(self.enable_adaptive_verification, bool), w,
                "enable_adaptive_verification", self.enable_adaptive_verification, "true or false")
+        _check(self.draft_vocab_size is None or (isinstance(self.draft_vocab_size, int) and
+                                                 not isinstance(self.draft_vocab_size, bool) and
+                                                 self.draft_vocab_size >= 1),
+               w, "draft_vocab_size", self.draft_vocab_size, "an integer >= 1 or null (the full head)")
 
     @property
     def planner(self) -> str:

@@ -22,7 +22,13 @@ rounds. Printed:
 - speculative decoding with static K (--spec-ks) in auto with the packaged drafter, per
   workload, against auto target-only and llama.cpp target-only, run in turns on the same
   prompts (greedy; where auto switches kernels by row count, verifying K + 1 rows can round
-  differently from decoding one, so outputs may part after some tokens).
+  differently from decoding one, so outputs may part after some tokens);
+- llama.cpp's own tools on the same GGUF files and threads (unless --no-llama-cpp-tools), built
+  once into the cache by specav/bench/llama_cpp.py from the source vendored in the `bench`
+  extra's llama-cpp-python sdist (many minutes the first time): `llama-bench` forwards of the
+  target and the drafter (1 token, 5- and 16-token batches, on the same 128-token context)
+  beside auto's, `llama-completion` target-only greedy decoding and `llama-speculative-simple`
+  static-K greedy speculative decoding with the packaged drafter on the same prompts.
 
 Goals (issue 6): auto at least 3x bf16 and 0.8x llama.cpp target-only tokens/s; both
 models in q4 under 3 GiB. This program owns no model logic; it loads like the engine.
@@ -53,7 +59,7 @@ from specav.models.loader import KERNEL_PROFILE
 from specav.models.quant import quantized_nbytes
 from specav.models.quant_choice import ROW_BUCKETS, MeasuredChoice, plan_from_times
 
-ROWS = (1, 4, 8, 16)
+ROWS = (1, 4, 5, 8, 16)
 CONTEXT = 128
 WORKLOADS = ("code", "prose")
 MEMORY_GOAL_GIB = 3.0
@@ -260,6 +266,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=5, help="rounds of forward timings (median)")
     parser.add_argument("--threads", type=int, default=None, help="torch and llama.cpp threads (default: torch's)")
     parser.add_argument("--no-llama-cpp", action="store_true", help="skip the llama.cpp peer")
+    parser.add_argument("--no-llama-cpp-tools", action="store_true", help="skip llama.cpp's own tools "
+                        "(llama-bench, llama-completion, llama-speculative-simple; built once, many minutes)")
     parser.add_argument("--spec-ks", default="2,4", help="static K values for speculative decoding in auto "
                         "('' to skip)")
     parser.add_argument("--memory-of", default=None, help=argparse.SUPPRESS)  # the memory child
@@ -276,10 +284,16 @@ def main(argv: list[str] | None = None) -> None:
     threads = torch.get_num_threads()
     if args.memory_of:
         return memory_child(args.memory_of)
+    tools, tools_note = llama_cpp_tools(threads, not args.no_llama_cpp_tools)  # builds before any timing
     models, results, llama_note = load_all(args.dtypes.split(","), threads, not args.no_llama_cpp)
-    prompts = _prompts(next(m for m in models.values() if isinstance(m, Checkpoint)).tokenizer, args.prompts)
+    tokenizer = next(m for m in models.values() if isinstance(m, Checkpoint)).tokenizer
+    prompts = _prompts(tokenizer, args.prompts)
+    ks = [int(k) for k in args.spec_ks.split(",") if k]
+    peer = ToolFigures(tools, tools_note)
     measure_forwards(models, results, args.repeats)
+    peer.bench = measure_llama_bench(tools, threads, args.repeats)
     measure_decoding(models, results, prompts, args.tokens)
+    peer.completion = measure_llama_completion(tools, tokenizer, prompts, args.tokens, threads)
     print(f"packaged target, {threads} threads, torch {torch.__version__}, {len(prompts)} prompts "
           f"({', '.join(WORKLOADS)}) x {args.tokens} greedy tokens; forwards on a {CONTEXT}-token context")
     _print_table(results)
@@ -287,11 +301,14 @@ def main(argv: list[str] | None = None) -> None:
         for i, line in enumerate(lines):
             print(f"  {name} vs bf16, prompt {i} ({WORKLOADS[i // args.prompts]}): {line}")
     _print_llama_cpp(results, llama_note, args.tokens)
+    runs = {}
     if "auto" in models:
         _print_kernel_choice()
-        ks = [int(k) for k in args.spec_ks.split(",") if k]
         if ks:
-            _print_speculative(measure_speculative(models, prompts, args.tokens, ks, threads), args.prompts)
+            runs = measure_speculative(models, prompts, args.tokens, ks, threads)
+            _print_speculative(runs, args.prompts)
+    peer.speculative = measure_llama_speculative(tools, tokenizer, prompts, args.tokens, ks, threads)
+    print_llama_cpp_tools(peer, results, runs, prompts, args.prompts)
     del models
     gc.collect()
     _print_memory(threads)
@@ -372,6 +389,159 @@ def _print_memory(threads: int) -> None:
         print(f"  {dtype}: RSS {m['rss_gib']:.2f} GiB after loading both (process start {m['start_gib']:.2f}), "
               f"peak {m['peak_gib']:.2f} GiB ({verdict}: goal < {MEMORY_GOAL_GIB} GiB); weights: target "
               f"{m['target_weights_gib']:.2f} GiB, drafter {m['drafter_weights_gib']:.2f} GiB")
+
+
+# ==== llama.cpp's own tools (issue 15, item 6): begin ===========================================
+# Owned by the llama.cpp peer (specav/bench/llama_cpp.py builds the tools, llama_cpp_tools.py runs
+# them); the rest of this file calls only the functions below.
+
+from specav.bench.llama_cpp import LlamaCppBuildError, LlamaCppTools, ensure_tools  # noqa: E402
+from specav.bench.llama_cpp_tools import (BenchRates, DecodeRun, run_bench, run_completion,  # noqa: E402
+                                          run_speculative)
+
+TOOL_BATCHES = (5, 16)  # llama-bench -p: verifying K + 1 = 5 rows, and 16
+TOOL_ROLES = {"target": packaged.TARGET, "drafter": packaged.DRAFTER}
+
+
+@dataclass(slots=True)
+class ToolFigures:
+    """What llama.cpp's own tools measured in this run (empty where they were skipped)."""
+
+    tools: LlamaCppTools | None
+    note: str  # why they were skipped, or ""
+    bench: dict[str, BenchRates] = field(default_factory=dict)  # "target" / "drafter" -> llama-bench
+    completion: list[DecodeRun] = field(default_factory=list)  # llama-completion, per prompt (decoding rounds)
+    speculative: dict[int, list[DecodeRun]] = field(default_factory=dict)  # K -> per prompt; 0 = llama-completion
+
+
+def llama_cpp_tools(threads: int, enabled: bool) -> tuple[LlamaCppTools | None, str]:
+    """The probed build for this machine (building it once, with progress on stderr), or why not."""
+    if not enabled:
+        return None, "not requested (--no-llama-cpp-tools)"
+    try:
+        return ensure_tools([packaged.assembled_gguf(m) for m in TOOL_ROLES.values()], threads), ""
+    except LlamaCppBuildError as e:
+        return None, f"unavailable ({e})"
+
+
+def measure_llama_bench(tools: LlamaCppTools | None, threads: int, repeats: int) -> dict[str, BenchRates]:
+    if tools is None:
+        return {}
+    return {role: run_bench(tools, packaged.assembled_gguf(m), threads, TOOL_BATCHES, gen=32, depth=CONTEXT,
+                            repeats=repeats) for role, m in TOOL_ROLES.items()}
+
+
+def _prompt_text(tokenizer, prompt: list[int]) -> str:
+    return tokenizer.decode(prompt, skip_special_tokens=False)
+
+
+def measure_llama_completion(tools: LlamaCppTools | None, tokenizer, prompts: list[list[int]], tokens: int,
+                             threads: int) -> list[DecodeRun]:
+    if tools is None:
+        return []
+    target = packaged.assembled_gguf(packaged.TARGET)
+    return [run_completion(tools, target, _prompt_text(tokenizer, p), tokens, threads) for p in prompts]
+
+
+def measure_llama_speculative(tools: LlamaCppTools | None, tokenizer, prompts: list[list[int]], tokens: int,
+                              ks: list[int], threads: int) -> dict[int, list[DecodeRun]]:
+    """Per prompt, in turns: llama-completion (K = 0) and llama-speculative-simple at each K."""
+    if tools is None or not ks:
+        return {}
+    target, drafter = (packaged.assembled_gguf(m) for m in TOOL_ROLES.values())
+    runs: dict[int, list[DecodeRun]] = {k: [] for k in [0, *ks]}
+    for prompt in prompts:
+        text = _prompt_text(tokenizer, prompt)
+        runs[0].append(run_completion(tools, target, text, tokens, threads))
+        for k in ks:
+            runs[k].append(run_speculative(tools, target, drafter, text, tokens, k, threads))
+    return runs
+
+
+def print_llama_cpp_tools(peer: ToolFigures, results: dict[str, Result], spec_runs: dict[str, list[Decoded]],
+                          prompts: list[list[int]], per_workload: int) -> None:
+    if peer.tools is None:
+        print(f"\nllama.cpp's own tools: {peer.note}")
+        return
+    print(f"\nllama.cpp's own tools on the same files and threads: {peer.tools.describe()}")
+    _check_prompt_tokens(peer, prompts)
+    _print_tool_forwards(peer.bench, results)
+    _print_tool_decoding(peer.completion, results, per_workload)
+    _print_tool_speculative(peer.speculative, spec_runs, per_workload)
+
+
+def _check_prompt_tokens(peer: ToolFigures, prompts: list[list[int]]) -> None:
+    seen = [r.prompt_tokens for r in peer.completion] + [r.prompt_tokens for rs in peer.speculative.values()
+                                                         for r in rs]
+    expected = [len(p) for p in prompts] * (len(seen) // max(len(prompts), 1))
+    if seen != expected:
+        print(f"  NOTE: the tools tokenised the prompts to {seen} tokens, specav to {expected}")
+
+
+def _print_tool_forwards(bench: dict[str, BenchRates], results: dict[str, Result]) -> None:
+    rows = (1, *TOOL_BATCHES)
+    print(f"  llama-bench forwards on a {CONTEXT}-token context, ms (median): "
+          + "  ".join(f"{n} rows" for n in rows))
+    for role, rates in bench.items():
+        cells = [rates.decode_ms, *(rates.batch_ms[n] for n in TOOL_BATCHES)]
+        print(f"    llama.cpp {role:<8}" + "".join(f"{c:>10.1f}" for c in cells)
+              + f"   ({rates.decode_tps:.2f} tok/s at 1 token)")
+    auto = results.get("auto")
+    if auto is not None and "target" in bench:
+        ours = [auto.forward_ms(n) if auto.forward_s.get(n) else float("nan") for n in rows]
+        ref = [bench["target"].decode_ms, *(bench["target"].batch_ms[n] for n in TOOL_BATCHES)]
+        print(f"    specav auto target" + "".join(f"{c:>10.1f}" for c in ours))
+        print(f"    auto / llama.cpp  " + "".join(f"{a / b:>10.2f}" for a, b in zip(ours, ref)))
+        print(f"    verify cost (n rows / 1 row): auto " + " ".join(f"{n}: {o / ours[0]:.2f}x" for n, o in
+                                                               zip(rows[1:], ours[1:]))
+              + "; llama.cpp " + " ".join(f"{n}: {r / ref[0]:.2f}x" for n, r in zip(rows[1:], ref[1:])))
+    if {"target", "drafter"} <= set(bench):
+        print(f"    llama.cpp drafter / target at 1 token: {bench['drafter'].decode_ms / bench['target'].decode_ms:.2f}x")
+
+
+def _print_tool_decoding(completion: list[DecodeRun], results: dict[str, Result], per_workload: int) -> None:
+    if not completion:
+        return
+    print("  target-only greedy decoding, tokens/s after the prefill, per workload (llama-completion in the "
+          "decoding rounds above; llama.cpp = llama-cpp-python):")
+    names = list(results)
+    print(f"    {'workload':<9}{'llama-completion':>18}" + "".join(f"{n:>11}" for n in names)
+          + "".join(f"{n + ' / it':>16}" for n in names))
+    for w, workload in enumerate(WORKLOADS):
+        chunk = slice(w * per_workload, (w + 1) * per_workload)
+        ref = _tool_rate(completion[chunk])
+        ours = [1.0 / statistics.median(s for d in results[n].decoded[chunk] for s in d.step_s) for n in names]
+        print(f"    {workload:<9}{ref:>18.2f}" + "".join(f"{o:>11.2f}" for o in ours)
+              + "".join(f"{o / ref:>16.2f}" for o in ours))
+
+
+def _print_tool_speculative(spec: dict[int, list[DecodeRun]], spec_runs: dict[str, list[Decoded]],
+                            per_workload: int) -> None:
+    if not spec:
+        return
+    print("  greedy speculative decoding with the packaged drafter, static K, tokens/s after the prefill, per "
+          "workload: llama-speculative-simple (llama-completion in the same turns) beside specav auto (the "
+          "speculative table above)")
+    print(f"    {'workload':<9}{'K':>3}{'llama.cpp':>11}{'vs its K=0':>12}{'accept':>8}{'specav':>9}"
+          f"{'specav / llama.cpp same K':>27}{'specav / llama.cpp K=0':>24}")
+    for w, workload in enumerate(WORKLOADS):
+        chunk = slice(w * per_workload, (w + 1) * per_workload)
+        base = _tool_rate(spec[0][chunk])
+        for k, runs in spec.items():
+            rate = _tool_rate(runs[chunk])
+            drafted = sum(r.drafted for r in runs[chunk])
+            accept = f"{sum(r.accepted for r in runs[chunk]) / drafted:>8.2f}" if k and drafted else f"{'':>8}"
+            ours = spec_runs.get(f"auto static K={k}" if k else "auto target-only")
+            mine = _pooled(ours[chunk])[0] if ours else float("nan")
+            print(f"    {workload:<9}{k:>3}{rate:>11.2f}{rate / base:>12.2f}{accept}{mine:>9.2f}"
+                  f"{mine / rate:>27.2f}{mine / base:>24.2f}")
+
+
+def _tool_rate(runs: list[DecodeRun]) -> float:
+    """Tokens per second over several runs of one tool (after each run's prefill)."""
+    return sum(r.tokens for r in runs) / sum(r.seconds for r in runs)
+
+# ==== llama.cpp's own tools (issue 15, item 6): end =============================================
 
 
 if __name__ == "__main__":

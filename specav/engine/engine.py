@@ -42,6 +42,7 @@ from specav.engine.stats import EngineStats
 from specav.engine.target import TargetVerifier
 from specav.models.loader import check_same_vocabulary, load_checkpoint
 from specav.models.packed import PackedCausalLM
+from specav.models.vocab_subset import apply_vocab_subset
 from specav.request import Request, StepOutput, TokenLogprob
 from specav.types import AcceptResult, DraftBatch, Plan, Scores, StageTimes, StepRecord
 from specav.verification.cost_model import CostModel, CostProfile
@@ -103,6 +104,8 @@ class Engine:
         if config.speculative is not None:
             draft = load_checkpoint(config.speculative.model, config.target.dtype, role="drafter")
             check_same_vocabulary(target, draft)
+            if config.speculative.draft_vocab_size is not None:
+                apply_vocab_subset(draft, config.speculative.draft_vocab_size)
             drafter = make_drafter(config.speculative.method, model=draft.model,
                                    feature_clamp=config.estimator.feature_clamp)
         engine = cls(target.model, target.tokenizer, drafter, config, eos_token_ids(target),
