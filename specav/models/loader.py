@@ -55,7 +55,7 @@ def load_checkpoint(path: str, dtype: str = "bf16", role: str = "target") -> Che
         raise CheckpointError(f"dtype {dtype!r} is not supported; use one of "
                               f"{sorted(TORCH_DTYPES) + list(QUANTIZED_DTYPES)}")
     if path == "default":
-        return _load_packaged(packaged.PACKAGED[role], dtype)
+        return _load_packaged(packaged.PACKAGED[role], dtype, role)
     p = Path(path).expanduser()
     if not p.exists():
         raise CheckpointError(f"{role} checkpoint {str(p)!r} does not exist: pass a local Hugging Face "
@@ -67,7 +67,7 @@ def load_checkpoint(path: str, dtype: str = "bf16", role: str = "target") -> Che
                                   f"{sorted(TORCH_DTYPES)} or 'auto'")
         return _load_hf_dir(p, "bf16" if dtype == "auto" else dtype)
     if p.suffix.lower() == ".gguf" or _starts_with_gguf_magic(p):
-        return _load_gguf(p, dtype)
+        return _load_gguf(p, dtype, role)
     raise CheckpointError(f"{role} checkpoint {str(p)!r} is neither a directory nor a GGUF file: pass a "
                           f"Hugging Face model directory (config.json + *.safetensors) or a .gguf file")
 
@@ -84,7 +84,7 @@ def check_same_vocabulary(target: Checkpoint, drafter: Checkpoint) -> None:
                               f"target's model family")
 
 
-def _load_packaged(model: packaged.PackagedModel, dtype: str) -> Checkpoint:
+def _load_packaged(model: packaged.PackagedModel, dtype: str, role: str = "target") -> Checkpoint:
     try:
         gguf_path = packaged.assembled_gguf(model)
     except packaged.PackagedModelError as e:
@@ -92,7 +92,7 @@ def _load_packaged(model: packaged.PackagedModel, dtype: str) -> Checkpoint:
     converted = gguf_path.parent / "hf-bf16"
     if dtype in QUANTIZED_DTYPES:  # the tokenizer loads faster from the converted directory
         tokenizer_dir = converted if (converted / "tokenizer.json").exists() else None
-        return _load_gguf_quantized(gguf_path, dtype, tokenizer_dir)
+        return _load_gguf_quantized(gguf_path, dtype, tokenizer_dir, role)
     if not (converted / "config.json").exists():
         _convert_to_hf(gguf_path, converted)
     checkpoint = _load_hf_dir(converted, dtype)
@@ -132,13 +132,13 @@ def _load_hf_dir(path: Path, dtype: str) -> Checkpoint:
     return Checkpoint(PackedCausalLM(hf), tokenizer, str(path), None)
 
 
-def _load_gguf(path: Path, dtype: str) -> Checkpoint:
+def _load_gguf(path: Path, dtype: str, role: str = "target") -> Checkpoint:
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
     architecture = _check_gguf(path)
     _check_architecture(architecture, path)
     if dtype in QUANTIZED_DTYPES:
-        return _load_gguf_quantized(path, dtype)
+        return _load_gguf_quantized(path, dtype, role=role)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
         hf = AutoModelForCausalLM.from_pretrained(
@@ -151,13 +151,13 @@ def _load_gguf(path: Path, dtype: str) -> Checkpoint:
     return Checkpoint(PackedCausalLM(hf), tokenizer, str(path), path)
 
 
-def _load_gguf_quantized(path: Path, dtype: str, tokenizer_dir: Path | None = None) -> Checkpoint:
+def _load_gguf_quantized(path: Path, dtype: str, tokenizer_dir: Path | None = None, role: str = "target") -> Checkpoint:
     from transformers import AutoTokenizer
 
     try:
         tokenizer = (AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True) if tokenizer_dir
                      else AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name))
-        model = load_quantized(path, dtype, packaged.cache_root() / KERNEL_PROFILE)
+        model = load_quantized(path, dtype, packaged.cache_root() / KERNEL_PROFILE, role)
     except (QuantizedGGUFError, ValueError, KeyError, IndexError, OSError) as e:
         raise CheckpointError(f"GGUF file {str(path)!r} could not be loaded as {dtype!r} "
                               f"({type(e).__name__}: {e}); check that it is a complete Llama/Qwen2 GGUF "

@@ -101,9 +101,11 @@ class PackedCausalLM:
                    batch: "_Batch", layer_idx: int) -> torch.Tensor:
         """Projections over all T tokens; one attention call over every request's cache."""
         t = x.shape[0]
-        q = attn.q_proj(x).view(t, self.num_heads, self.head_dim)  # [T, H, D]
-        k = attn.k_proj(x).view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        v = attn.v_proj(x).view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        qkv = getattr(attn, "qkv_proj", None)  # quant.FusedLinear: one call for the three, on quantized models
+        q, k, v = qkv(x) if qkv is not None else (attn.q_proj(x), attn.k_proj(x), attn.v_proj(x))
+        q = q.view(t, self.num_heads, self.head_dim)  # [T, H, D]
+        k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = v.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         q, k = self.ops.rope(q, rope), self.ops.rope(k, rope)
         keys, values = [], []
         for cache, start, n in zip(batch.caches, batch.starts, batch.lengths):
