@@ -316,6 +316,21 @@ def test_measured_choice_is_cached_on_disk(tmp_path, monkeypatch):
     assert machine_key() in path.read_text()
 
 
+def test_kernel_profile_shows_progress_only_while_it_measures(tmp_path, monkeypatch, capfd):
+    import specav.models.quant_choice as choice
+
+    monkeypatch.setattr(choice, "measure", fake_measure)
+    path = write_tiny_gguf(tmp_path / "tiny.gguf")
+    linears = {(t.tensor_type, tuple(t.shape)) for t in gguf.GGUFReader(path).tensors
+               if t.name == "output.weight" or t.name.split(".")[2:3] and t.name.split(".")[2] in LINEARS
+               and t.name.endswith(".weight")}
+    load_quantized(path, "auto", tmp_path / "profile.json")
+    err = capfd.readouterr().err
+    assert "timing the kernels of each layer shape" in err and f"{len(linears)}/{len(linears)}" in err
+    load_quantized(path, "auto", tmp_path / "profile.json")
+    assert "timing the kernels" not in capfd.readouterr().err  # all cached: silent
+
+
 # ---------------------------------------------------------------- whole models from tiny GGUF files
 
 HIDDEN, FFN, HEADS, KV_HEADS, VOCAB, LAYERS = 256, 512, 4, 2, 96, 2

@@ -18,7 +18,12 @@ embedding is a `QuantizedEmbedding`; the precision modes behind `--dtype q4` and
   float32 norms, attention and KV caches are faster than bf16, and each kernel converts
   its input to what it needs (bf16 for int4 / int8, int8 for int8dyn). KV caches follow
   (`PackedCausalLM.dtype` is float32).
-- The packed forward and KV caches are unchanged: they call the modules by name.
+- The packed forward and KV caches are unchanged: they call the modules by name. Each layer
+  also gets `self_attn.qkv_proj` and `mlp.gate_up_proj` (`FusedLinear`): q/k/v and gate/up
+  of one input in one native call where they all run kquant (packed.py and layer_ops.py use
+  them when present).
+- Roles: a drafter in `auto` runs every layer on the native kernel, requantising its Q5_0 /
+  Q8_0 weights to Q4_K at load (quant_choice.NativeDrafter); a target keeps the file's weights.
 
 Exact vs approximate (see quant_formats.py and quant_kernels.py): Q4_K, Q4_0 and Q4_1
 weights keep their exact codes (int4, scales and zeros rounded to bf16); other types are

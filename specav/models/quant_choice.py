@@ -5,16 +5,19 @@ kernel profile that `auto` chooses from.
 
 - `q4` (`FixedRule`): the closest kernel to the file's own weights, whatever the speed:
   int4 for the 4-bit types (exact codes), int8 weight-only for the rest.
-- `auto` (`MeasuredChoice`): for each (GGUF type, N x K) met while loading, every kernel
-  that can hold the type is timed at 1, 4, 16 and 64 rows (cache-cold, one thread, the
-  kernels taking turns, best of 7 taken in two passes over the row counts). The kernel
+- `auto` (`MeasuredChoice`), for a target: for each (GGUF type, N x K) of the file, every
+  kernel that can hold the type is timed at 1, 4, 16 and 64 rows (cache-cold, one thread, the
+  kernels taking turns, best of 7 taken in two passes over the row counts), before the layers
+  are built, with a progress bar on stderr (none when every shape is cached). The kernel
   fastest overall runs every row count, except that one second kernel may take the row
-  counts where it is more than 10% faster
-  (a second kernel costs a second packed copy of the layer: kquant for decoding beside
-  int8dyn for verification; docs/quantized.md gives the memory). Times are measured once
-  per machine and kept in `<cache>/kernel-profile.json` under a key naming the CPU, the
-  torch version and the native kernels' build (delete the file to measure again);
+  counts where it is more than 10% faster (a second kernel costs a second packed copy of the
+  layer; docs/quantized.md gives the memory). Times are measured once per machine and kept
+  in `<cache>/kernel-profile.json` under a key naming the CPU, the torch version and the
+  native kernels' build (variant and source hash; delete the file to measure again);
   `profile()` returns them.
+- `auto` for a drafter (`NativeDrafter`, where the native kernels run): every layer on kquant,
+  the file's Q5_0 / Q8_0 weights requantised to Q4_K at load (drafter precision never touches
+  losslessness); nothing is measured.
 
 Why one thread: on a shared 2-core machine, a 2-thread kernel call of about a millisecond
 waits for a descheduled thread most of the time, so 2-thread timings come out as

@@ -122,18 +122,14 @@ def requantize_q4_k(weight: GGUFWeight, quantize: Callable[[torch.Tensor], torch
     drafter's K = 896 becomes 4 blocks, the last half zeros); the shape stays (N, K), so the padding
     is invisible to the kernels' callers.
 
-    quantize: rows # [n, K'] float32, K' % 256 == 0 -> their Q4_K blocks # [n, K' / 256 * 144] uint8
+    quantize: rows # [n, K] float32 -> their Q4_K blocks # [n, ceil(K / 256) * 144] uint8, zero-padded
     (the native quantiser, llama.cpp's reference algorithm: native/quantize.cpp).
     """
     n, k = weight.shape
-    padded = -(-k // 256) * 256
-    blocks = np.empty((n, padded // 256 * 144), dtype=np.uint8)
+    blocks = np.empty((n, -(-k // 256) * 144), dtype=np.uint8)
     for start in range(0, n, _ROW_CHUNK):
         rows = slice(start, min(n, start + _ROW_CHUNK))
-        w = dequantize(weight, rows)  # [n_chunk, K]
-        if padded != k:
-            w = torch.nn.functional.pad(w, (0, padded - k))
-        blocks[rows] = quantize(w.contiguous()).numpy()
+        blocks[rows] = quantize(dequantize(weight, rows)).numpy()  # [n_chunk, K] -> its blocks
     return GGUFWeight(weight.name, T.Q4_K, (n, k), blocks)
 
 
