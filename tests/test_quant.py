@@ -159,16 +159,18 @@ def int8_reconstruction(ops, x: torch.Tensor, k: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K])
-@pytest.mark.parametrize("rows", [1, 4, 5, 7, 8, 9, 16, 17])
-def test_kquant_arithmetic_is_exact_on_quantised_activations(variant, qtype, rows):
+@pytest.mark.parametrize("rows,k", [(1, 768), (4, 768), (5, 768), (7, 768), (8, 768), (9, 768), (16, 768),
+                                    (17, 768), (5, 4608), (16, 4608)])
+def test_kquant_arithmetic_is_exact_on_quantised_activations(variant, qtype, rows, k):
     """The kernel's only approximation is the int8 activation: with x replaced by its int8
     reconstruction, y equals the float64 product with the exactly dequantised weight (to float32
     accumulation). A wrong nibble, bit pair or scale index would be off by percents. Row counts
-    cover one tile, a tile and a remainder, and several tiles of either variant (4 or 8 rows)."""
-    weight = random_weight(qtype, n=40, k=768, seed=rows)
-    x = torch.randn(rows, 768, generator=torch.Generator().manual_seed(rows)) * 3
+    cover one tile, a tile and a remainder, and several tiles of either variant (4 or 8 rows);
+    K = 4608 (18 blocks) runs in segments of K at 5 and 16 rows."""
+    weight = random_weight(qtype, n=40, k=k, seed=rows)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)) * 3
     x[0, :256] *= 50  # one 256-block far larger: each block has its own activation scale
-    expected = int8_reconstruction(variant, x, 768) @ dequantize(weight).double().t()
+    expected = int8_reconstruction(variant, x, k) @ dequantize(weight).double().t()
     y = KQuantWeight.pack(weight, ops=variant).matmul(x)
     error = ((y.double() - expected).norm() / expected.norm()).item()
     assert error < 1e-5, error
@@ -177,11 +179,13 @@ def test_kquant_arithmetic_is_exact_on_quantised_activations(variant, qtype, row
 
 
 @pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K])
-def test_kquant_rows_are_batch_invariant(variant, qtype):
+@pytest.mark.parametrize("k", [512, 4608])
+def test_kquant_rows_are_batch_invariant(variant, qtype, k):
     """Bit for bit: a row's output is the same alone or packed with any number of others, in every
-    variant (so the verified rows of a speculative step round as the decoded row would)."""
-    packed = KQuantWeight.pack(random_weight(qtype, n=72, k=512), ops=variant)
-    x = torch.randn(19, 512, generator=torch.Generator().manual_seed(0))
+    variant, with K in one pass or in segments (so the verified rows of a speculative step round as
+    the decoded row would)."""
+    packed = KQuantWeight.pack(random_weight(qtype, n=72, k=k), ops=variant)
+    x = torch.randn(19, k, generator=torch.Generator().manual_seed(0))
     x[3] *= 100
     alone = torch.cat([packed.matmul(x[i:i + 1]) for i in range(19)])
     for rows in (2, 4, 5, 8, 9, 16, 19):

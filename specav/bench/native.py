@@ -120,26 +120,41 @@ def busy_core(core: int) -> Iterator[subprocess.Popen]:
         proc.wait()
 
 
-def contention(target, repeats: int, thread_counts: list[int]) -> None:
+def contention(target, repeats: int, threads: int) -> None:
+    """One-row forwards with a fixed thread count (the policy off) and with the model's own policy
+    (ThreadChoice: the count chosen per forward), quiet and with a busy core."""
     core = os.cpu_count() - 1
-    print(f"\ncontention: target one-row forward, ms (median of {repeats}), quiet and with a busy process "
-          f"pinned to core {core}")
-    quiet, busy = {}, {}
+    policy = target.threads
+    settings = {f"{n} threads": n for n in sorted({threads, 1}, reverse=True)}
+    if policy is not None:
+        settings["adaptive (ThreadChoice)"] = None
+    rounds = 4 * repeats  # the adaptive policy explores now and then: enough forwards to include it
+    print(f"\ncontention: target one-row forward, ms (median of {rounds}; adaptive: mean, which includes "
+          f"its exploring forwards), quiet and with a busy process pinned to core {core}")
+
+    gen = torch.Generator().manual_seed(0)
+    cache = target.new_cache(CONTEXT + 1)
+    target.forward([torch.randint(0, target.vocab_size, (CONTEXT,), generator=gen).tolist()], [cache], [0])
+
+    def run(setting) -> float:
+        target.threads = policy if setting is None else None
+        torch.set_num_threads(threads if setting is None else setting)
+        time_forward(target, cache, [7])  # warm-up
+        per = [time_forward(target, cache, [7]) for _ in range(rounds)]
+        return statistics.mean(per) if setting is None else statistics.median(per)
+
     saved = torch.get_num_threads()
     try:
-        for n in thread_counts:
-            torch.set_num_threads(n)
-            quiet[n] = forwards({"t": target}, (1,), repeats)["t"][1]
+        quiet = {name: run(n) for name, n in settings.items()}
         with busy_core(core):
-            for n in thread_counts:
-                torch.set_num_threads(n)
-                busy[n] = forwards({"t": target}, (1,), repeats)["t"][1]
+            busy = {name: run(n) for name, n in settings.items()}
     finally:
+        target.threads = policy
         torch.set_num_threads(saved)
-    base = quiet[max(thread_counts)]
-    for n in thread_counts:
-        print(f"  {n} threads: quiet {quiet[n] * 1e3:.1f}, busy core {busy[n] * 1e3:.1f}  ->  slowdown "
-              f"{busy[n] / quiet[n]:.2f}x of itself, {busy[n] / base:.2f}x of the quiet {max(thread_counts)}-thread forward")
+    base = quiet[f"{threads} threads"]
+    for name in settings:
+        print(f"  {name:<24} quiet {quiet[name] * 1e3:6.1f}, busy core {busy[name] * 1e3:6.1f}  ->  "
+              f"{busy[name] / base:.2f}x the quiet {threads}-thread forward")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -162,6 +177,8 @@ def main(argv: list[str] | None = None) -> None:
     models = {"target": target}
     if "drafter" not in skip:
         models["drafter"] = load_checkpoint("default", "auto", role="drafter").model
+    for m in models.values():  # fixed threads for the forward and drafter tables (contention has its own)
+        m.threads = None
     if "forward" not in skip or "drafter" not in skip:
         t = forwards(models, FORWARD_ROWS if "forward" not in skip else (1,), args.repeats)
         if "forward" not in skip:
@@ -178,8 +195,11 @@ def main(argv: list[str] | None = None) -> None:
                   f"the target's {t['target'][1] * 1e3:.1f} ms; its output head alone {head_s * 1e3:.1f} ms "
                   f"({head_s / t['drafter'][1]:.0%} of it)")
     if "contention" not in skip:
+        from specav.models.threads import ThreadChoice
+
+        target.threads = ThreadChoice() if native.available() else None  # a fresh policy: nothing learnt yet
         del models
-        contention(target, args.repeats, sorted({args.threads, 1}, reverse=True))
+        contention(target, args.repeats, args.threads)
 
 
 def _timed(fn) -> float:

@@ -44,11 +44,13 @@ import numpy as np
 import torch
 from torch import nn
 
+from specav.models import native
 from specav.models.packed import PackedCausalLM
 from specav.models.quant_choice import POLICIES, KernelPlan, MeasuredChoice, Policy, policy_for, shape_key
 from specav.models.quant_formats import GGUFWeight, dequantize
 from specav.models.quant_gguf import GGUFHeader, QuantizedGGUFError, read_header
 from specav.models.quant_kernels import KERNELS, KQuantWeight, PackedWeight, kquant_matmuls
+from specav.models.threads import ThreadChoice
 
 QUANTIZED_DTYPES = tuple(POLICIES)  # ("q4", "auto")
 ACTIVATION_DTYPE = torch.float32
@@ -176,6 +178,8 @@ def load_quantized(path: Path, mode: str, profile_path: Path | None = None, role
     hf.model.rotary_emb = type(hf.model.rotary_emb)(config=config)  # its buffers were built on meta
     hf.lm_head = lm_head
     packed = PackedCausalLM(hf)
+    if native.available():  # the thread count changes speed only, never the native kernels' numbers
+        packed.threads = ThreadChoice()
     _check_materialised(hf, path)
     _return_freed_memory()
     return packed

@@ -17,8 +17,10 @@
 // 256-block stay below 2^26 and are converted to float once per block (exact below 2^24 per lane).
 //
 // Multi-row: each weight block is decoded once per tile of activation rows (up to kTile rows held
-// in registers) and applied to every row of the tile, so verifying K + 1 rows reads and decodes
-// the weights once (kquant_avx2.h, kquant_avx512.h: the row kernels of each instruction set).
+// in registers: 4 with AVX2, 8 with AVX-512's 32 registers) and applied to every row of the tile,
+// so verifying K + 1 rows reads the weights once and decodes them once per tile (kquant_avx2.h,
+// kquant_avx512.h: the tile kernels of each instruction set). With AVX-512, long rows (K = 8960
+// at 5 rows and more) go in segments of K, so a tile's activations stay in the L1 cache.
 // The work is split over output features in chunks that threads take dynamically. Every output
 // depends only on its own row of x, computed by the same instructions whatever the tile: the
 // kernel is batch-invariant.
@@ -28,7 +30,6 @@
 
 #include "common.h"
 
-#include <climits>
 #include <type_traits>
 #include <vector>
 
@@ -45,8 +46,7 @@ constexpr int64_t kQ4K = 12, kQ6K = 14;  // ggml type codes
 // Activations of T rows, quantised per 256-element block (the width padded to nb * 256 with zeros).
 struct Activations {
   int64_t rows = 0, nb = 0, kp = 0;  // kp = nb * 256
-  at::Tensor xq;    // [T, kp] int8 codes in their natural order
-  at::Tensor xq4;   // [T, kp] int8 codes in the Q4_K order (AVX-512 kernels only; see below)
+  at::Tensor xq;    // [T, kp] int8 codes
   at::Tensor dx;    // [T, nb] float scales
   at::Tensor xs16;  // [T, kp / 16] int16 sums of 16 codes (|sum| <= 2032)
   at::Tensor xs32;  // [T, kp / 32] float: dx * sum of 32 codes (the Q4_K min term)
@@ -54,7 +54,7 @@ struct Activations {
 
 // Raw pointers into Activations, for the row kernels.
 struct ActView {
-  const int8_t *xq, *xq4;
+  const int8_t* xq;
   const float *dx, *xs32;
   const int16_t* xs16;
   int64_t nb, kp;
@@ -97,7 +97,7 @@ void quantize_block(const float* src, int64_t valid, int8_t* dst, float* d_out) 
   }
 }
 
-Activations quantize_rows(const at::Tensor& x, int64_t nb, bool q4k_order) {
+Activations quantize_rows(const at::Tensor& x, int64_t nb) {
   Activations a;
   a.rows = x.size(0);
   a.nb = nb;
@@ -108,10 +108,8 @@ Activations quantize_rows(const at::Tensor& x, int64_t nb, bool q4k_order) {
   a.dx = at::empty({a.rows, nb}, opts);
   a.xs16 = at::empty({a.rows, kp / 16}, opts.dtype(at::kShort));
   a.xs32 = at::empty({a.rows, kp / 32}, opts);
-  if (q4k_order) a.xq4 = at::empty({a.rows, kp}, opts.dtype(at::kChar));
   const float* xp = x.data_ptr<float>();
   int8_t* qp = a.xq.data_ptr<int8_t>();
-  int8_t* q4p = q4k_order ? a.xq4.data_ptr<int8_t>() : nullptr;
   float* dp = a.dx.data_ptr<float>();
   int16_t* s16 = a.xs16.data_ptr<int16_t>();
   float* s32 = a.xs32.data_ptr<float>();
@@ -127,12 +125,6 @@ Activations quantize_rows(const at::Tensor& x, int64_t nb, bool q4k_order) {
         sums[g] = static_cast<int16_t>(s);
       }
       for (int g = 0; g < kBlock / 32; ++g) s32[r * (kp / 32) + b * 8 + g] = dp[rb] * static_cast<float>(sums[2 * g] + sums[2 * g + 1]);
-      if (q4p) {  // per 128 elements: [0:32] [64:96] [32:64] [96:128], the order of a 64-byte Q4_K load's nibbles
-        int8_t* d4 = q4p + r * kp + first;
-        for (int h = 0; h < 2; ++h)
-          for (int part = 0; part < 4; ++part)
-            std::memcpy(d4 + 128 * h + 32 * part, dst + 128 * h + 32 * ((part % 2) * 2 + part / 2), 32);
-      }
     }
   });
   return a;
@@ -150,13 +142,12 @@ std::vector<at::Tensor> kq_matmul(const at::Tensor& x, at::TensorList weights, a
   TORCH_CHECK(n_weights >= 1 && static_cast<int64_t>(qtypes.size()) == n_weights &&
               static_cast<int64_t>(biases.size()) == n_weights, "one qtype and one bias (or None) per weight");
   const int64_t nb = (k + kBlock - 1) / kBlock;
-  TORCH_CHECK(k > 0 && nb <= kMaxBlocks, "x must have between 1 and ", kMaxBlocks * kBlock, " columns, got ", k);
+  TORCH_CHECK(k > 0, "x must have columns");
   std::vector<const uint8_t*> wp(n_weights);
   std::vector<const float*> bp(n_weights);
   std::vector<float*> yp(n_weights);
   std::vector<int64_t> ns(n_weights);
   std::vector<at::Tensor> ys;
-  bool any_q4k = false;
   for (int64_t i = 0; i < n_weights; ++i) {
     const at::Tensor& w = weights[i];
     const int64_t bytes = block_bytes(qtypes[i]);
@@ -166,7 +157,6 @@ std::vector<at::Tensor> kq_matmul(const at::Tensor& x, at::TensorList weights, a
     const std::optional<at::Tensor> b = biases.get(i);
     TORCH_CHECK(!b || (b->dim() == 1 && b->size(0) == w.size(0) && b->scalar_type() == at::kFloat && b->is_contiguous()),
                 "bias ", i, " must be a contiguous float32 vector of the weight's output features");
-    any_q4k |= qtypes[i] == kQ4K;
     wp[i] = w.data_ptr<uint8_t>();
     bp[i] = b ? b->data_ptr<float>() : nullptr;
     ns[i] = w.size(0);
@@ -174,24 +164,48 @@ std::vector<at::Tensor> kq_matmul(const at::Tensor& x, at::TensorList weights, a
     yp[i] = ys.back().data_ptr<float>();
   }
   if (rows == 0) return ys;
-  const Activations a = quantize_rows(x, nb, any_q4k && kQ4KOrder);
-  const ActView view{a.xq.data_ptr<int8_t>(), a.xq4.defined() ? a.xq4.data_ptr<int8_t>() : nullptr,
-                     a.dx.data_ptr<float>(), a.xs32.data_ptr<float>(), a.xs16.data_ptr<int16_t>(), nb, a.kp};
+  const Activations a = quantize_rows(x, nb);
+  const ActView view{a.xq.data_ptr<int8_t>(), a.dx.data_ptr<float>(), a.xs32.data_ptr<float>(),
+                     a.xs16.data_ptr<int16_t>(), nb, a.kp};
   // Chunks of output features, weight by weight: (weight, first feature) for chunk c.
   constexpr int64_t kChunk = 16;
   std::vector<std::pair<int64_t, int64_t>> chunks;
   for (int64_t i = 0; i < n_weights; ++i)
     for (int64_t f = 0; f < ns[i]; f += kChunk) chunks.emplace_back(i, f);
+  // Loop order, per the variant's measurements (kquant_avx2.h, kquant_avx512.h): with kTileOuter,
+  // each tile of activation rows passes over every weight row of the chunk (the chunk's weights,
+  // 14-20 KiB, stay in the L1 cache), else each weight row passes over every tile. With kSegmentK,
+  // where a tile's activations would not fit the L1 cache (16 KiB: K = 8960 at 5 rows), K runs in
+  // segments of blocks, the partial sums of each (weight row, activation row) waiting in `state`
+  // between segments. Each row's blocks are summed in the same order whatever the order, segments
+  // and tiles, so the results depend on none of them (nor on the row count).
+  const int64_t tile_rows = std::min<int64_t>(rows, kTile);
+  const int64_t seg = kSegmentK && tile_rows * a.kp > 16384 ? std::max<int64_t>(1, 16384 / (tile_rows * kBlock)) : nb;
   const int64_t* qt = qtypes.data();
   parallel_chunks(static_cast<int64_t>(chunks.size()), 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> state(seg < nb ? kChunk * rows * 8 : 0);
     for (int64_t c = begin; c < end; ++c) {
       const auto [i, first_feature] = chunks[c];
       const int64_t n = ns[i], bytes = qt[i] == kQ4K ? kQ4KBytes : kQ6KBytes;
-      for (int64_t f = first_feature; f < std::min(n, first_feature + kChunk); ++f) {
-        const uint8_t* wrow = wp[i] + f * nb * bytes;
-        const float bias = bp[i] ? bp[i][f] : 0.0f;
-        if (qt[i] == kQ4K) q4k_row(wrow, view, rows, yp[i] + f, n, bias);
-        else q6k_row(wrow, view, rows, yp[i] + f, n, bias);
+      const int64_t last_feature = std::min(n, first_feature + kChunk);
+      for (int64_t b0 = 0; b0 < nb; b0 += seg) {
+        const int64_t b1 = std::min(nb, b0 + seg);
+        auto one = [&](auto r, int64_t r0, int64_t f) {
+          constexpr int R = decltype(r)::value;
+          const uint8_t* wrow = wp[i] + f * nb * bytes;
+          float* st = state.data() + ((f - first_feature) * rows + r0) * 8;
+          float* out = yp[i] + r0 * n + f;
+          const float bias = bp[i] ? bp[i][f] : 0.0f;
+          if (qt[i] == kQ4K) q4k_tile<R>(wrow, view, r0, b0, b1, st, out, n, bias);
+          else q6k_tile<R>(wrow, view, r0, b0, b1, st, out, n, bias);
+        };
+        if constexpr (kTileOuter) {
+          for_tiles(rows, [&](auto r, int64_t r0) {
+            for (int64_t f = first_feature; f < last_feature; ++f) one(r, r0, f);
+          });
+        } else {
+          for (int64_t f = first_feature; f < last_feature; ++f) for_tiles(rows, [&](auto r, int64_t r0) { one(r, r0, f); });
+        }
       }
     }
   });
@@ -201,7 +215,7 @@ std::vector<at::Tensor> kq_matmul(const at::Tensor& x, at::TensorList weights, a
 // The activation quantisation alone (natural order), so tests can rebuild the kernel's arithmetic exactly.
 std::tuple<at::Tensor, at::Tensor> quantize_activations(const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be a contiguous [T, K] float32 tensor");
-  Activations a = quantize_rows(x, (x.size(1) + kBlock - 1) / kBlock, false);
+  Activations a = quantize_rows(x, (x.size(1) + kBlock - 1) / kBlock);
   return {a.xq, a.dx};
 }
 
