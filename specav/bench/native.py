@@ -3,19 +3,22 @@ target, and the one-row forward's slowdown with a busy process on one core, all 
 
     python -m specav.bench.native [--threads 2] [--repeats 7] [--skip kernels,forward,drafter,contention]
 
-Printed (every figure a ratio of times measured in this run, in turns, on this machine):
+Printed (every figure a ratio of times measured in this run, in turns, on this machine; each
+section ends with how many cores other processes kept busy meanwhile, bench/load.py):
 
 - kernels: each native variant this machine runs (native/variants.py), on one real tensor of every
   linear shape of the packaged target, one thread, cache-cold, best of --repeats: ms at 1, 5 and 16
   rows, and 5 and 16 rows relative to 1;
 - forward: the packaged target in `auto` (the variant the probe chose), 1, 5 and 16 new tokens on a
-  128-token context with logits for every new token (verification), median of --repeats, and the
-  5- and 16-row forwards relative to the one-row forward (goals: <= 1.3x and <= 2x);
+  128-token context with logits for every new token (verification), --threads threads, median of
+  --repeats, and the 5- and 16-row forwards relative to the one-row forward (goals: <= 1.3x and
+  <= 2x);
 - drafter: the packaged drafter's one-row forward in `auto` (every layer native) relative to the
   target's (goal <= 0.25x), and the share of its output head (151,936 rows);
 - contention: the target's one-row forward with a busy process (`while True: pass`) pinned to the
-  last core, relative to the same forward on the quiet machine, per thread count; the busy process
-  is stopped before the program ends (goal: slowdown <= 2x).
+  last core, relative to the quiet --threads-thread forward: with fixed thread counts and with the
+  model's own policy (threads.ThreadChoice); the busy process is stopped before the program ends
+  (goal: slowdown <= 2x).
 """
 
 from __future__ import annotations
@@ -31,10 +34,12 @@ from typing import Iterator
 
 import torch
 
+from specav.bench.load import foreign_load
 from specav.models import load_checkpoint, native, packaged
 from specav.models.native.variants import VARIANTS
 from specav.models.quant_gguf import read_header
 from specav.models.quant_kernels import KQuantWeight
+from specav.models.threads import ThreadChoice
 
 KERNEL_ROWS = (1, 5, 16)
 FORWARD_ROWS = (1, 5, 16)
@@ -64,23 +69,27 @@ def kernel_table(repeats: int) -> None:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        for key, name in sorted(shapes.items()):
-            weight = header.weight(name)
-            packed = {v: KQuantWeight.pack(weight, ops=ops) for v, ops in usable.items()}
-            xs = [torch.randn(r, weight.shape[1], generator=torch.Generator().manual_seed(r)) for r in KERNEL_ROWS]
-            best = {v: [float("inf")] * len(xs) for v in packed}
-            for _ in range(repeats):
-                for i, x in enumerate(xs):
-                    for v, p in packed.items():
-                        _FLUSH.add_(1.0)
-                        start = time.perf_counter()
-                        p.matmul(x)
-                        best[v][i] = min(best[v][i], time.perf_counter() - start)
-            cells = "  ".join(f"{v} {'/'.join(f'{t * 1e3:.2f}' for t in ts)} ({ts[1] / ts[0]:.2f}x, {ts[2] / ts[0]:.2f}x)"
-                              for v, ts in best.items())
-            print(f"  {key:<18} {cells}")
+        with foreign_load() as load:
+            for key, name in sorted(shapes.items()):
+                print(f"  {key:<18} {_kernel_row(header.weight(name), usable, repeats)}", flush=True)
     finally:
         torch.set_num_threads(threads)
+    print(f"  ({load})")
+
+
+def _kernel_row(weight, usable: dict, repeats: int) -> str:
+    packed = {v: KQuantWeight.pack(weight, ops=ops) for v, ops in usable.items()}
+    xs = [torch.randn(r, weight.shape[1], generator=torch.Generator().manual_seed(r)) for r in KERNEL_ROWS]
+    best = {v: [float("inf")] * len(xs) for v in packed}
+    for _ in range(repeats):
+        for i, x in enumerate(xs):
+            for v, p in packed.items():
+                _FLUSH.add_(1.0)
+                start = time.perf_counter()
+                p.matmul(x)
+                best[v][i] = min(best[v][i], time.perf_counter() - start)
+    return "  ".join(f"{v} {'/'.join(f'{t * 1e3:.2f}' for t in ts)} ({ts[1] / ts[0]:.2f}x, {ts[2] / ts[0]:.2f}x)"
+                     for v, ts in best.items())
 
 
 def time_forward(model, cache, new: list[int]) -> float:
@@ -121,22 +130,20 @@ def busy_core(core: int) -> Iterator[subprocess.Popen]:
 
 
 def contention(target, repeats: int, threads: int) -> None:
-    """One-row forwards with a fixed thread count (the policy off) and with the model's own policy
-    (ThreadChoice: the count chosen per forward), quiet and with a busy core."""
+    """One-row forwards with fixed thread counts (no policy) and with a fresh ThreadChoice, quiet and
+    then with a busy core (the policy carries what it learnt quietly into the busy part, as a server
+    would when another process starts)."""
     core = os.cpu_count() - 1
-    policy = target.threads
-    settings = {f"{n} threads": n for n in sorted({threads, 1}, reverse=True)}
-    if policy is not None:
-        settings["adaptive (ThreadChoice)"] = None
-    rounds = 4 * repeats  # the adaptive policy explores now and then: enough forwards to include it
-    print(f"\ncontention: target one-row forward, ms (median of {rounds}; adaptive: mean, which includes "
-          f"its exploring forwards), quiet and with a busy process pinned to core {core}")
-
+    policy = ThreadChoice()
+    settings = {f"{n} threads": n for n in sorted({threads, 1}, reverse=True)} | {"ThreadChoice": None}
+    rounds = 4 * repeats  # the policy explores every 32nd forward: enough forwards to include some
     gen = torch.Generator().manual_seed(0)
     cache = target.new_cache(CONTEXT + 1)
     target.forward([torch.randint(0, target.vocab_size, (CONTEXT,), generator=gen).tolist()], [cache], [0])
+    print(f"\ncontention: target one-row forward, ms over {rounds} forwards (fixed counts: median; ThreadChoice: "
+          f"mean, its exploring forwards included), quiet, then with a busy process pinned to core {core}")
 
-    def run(setting) -> float:
+    def run(setting: int | None) -> float:
         target.threads = policy if setting is None else None
         torch.set_num_threads(threads if setting is None else setting)
         time_forward(target, cache, [7])  # warm-up
@@ -145,16 +152,19 @@ def contention(target, repeats: int, threads: int) -> None:
 
     saved = torch.get_num_threads()
     try:
-        quiet = {name: run(n) for name, n in settings.items()}
-        with busy_core(core):
+        with foreign_load() as quiet_load:
+            quiet = {name: run(n) for name, n in settings.items()}
+        with busy_core(core) as busy_proc, foreign_load() as busy_load:
             busy = {name: run(n) for name, n in settings.items()}
     finally:
-        target.threads = policy
+        target.threads = None
         torch.set_num_threads(saved)
     base = quiet[f"{threads} threads"]
     for name in settings:
-        print(f"  {name:<24} quiet {quiet[name] * 1e3:6.1f}, busy core {busy[name] * 1e3:6.1f}  ->  "
+        print(f"  {name:<14} quiet {quiet[name] * 1e3:6.1f}, busy core {busy[name] * 1e3:6.1f}  ->  "
               f"{busy[name] / base:.2f}x the quiet {threads}-thread forward")
+    print(f"  (quiet part: {quiet_load}; busy part: {busy_load.cores:.2f} cores, the busy process's included)")
+    del busy_proc
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -180,24 +190,23 @@ def main(argv: list[str] | None = None) -> None:
     for m in models.values():  # fixed threads for the forward and drafter tables (contention has its own)
         m.threads = None
     if "forward" not in skip or "drafter" not in skip:
-        t = forwards(models, FORWARD_ROWS if "forward" not in skip else (1,), args.repeats)
+        with foreign_load() as load:
+            t = forwards(models, FORWARD_ROWS if "forward" not in skip else (1,), args.repeats)
         if "forward" not in skip:
             one = t["target"][1]
             print(f"\nforward: packaged target in auto, {CONTEXT}-token context, ms (median of {args.repeats})")
             print("  " + "  ".join(f"{n} rows {t['target'][n] * 1e3:.1f}" for n in FORWARD_ROWS)
                   + "  ->  " + "  ".join(f"{n} rows {t['target'][n] / one:.2f}x" for n in FORWARD_ROWS[1:]))
         if "drafter" in models:
-            d = models["drafter"]
-            head = d.lm_head
-            x = torch.randn(1, d.config.hidden_size)
+            head = models["drafter"].lm_head
+            x = torch.randn(1, models["drafter"].config.hidden_size)
             head_s = statistics.median(_timed(lambda: head(x)) for _ in range(args.repeats))
-            print(f"\ndrafter: one-row forward {t['drafter'][1] * 1e3:.1f} ms = {t['drafter'][1] / t['target'][1]:.2f}x "
-                  f"the target's {t['target'][1] * 1e3:.1f} ms; its output head alone {head_s * 1e3:.1f} ms "
-                  f"({head_s / t['drafter'][1]:.0%} of it)")
+            d = t["drafter"][1]
+            print(f"\ndrafter: one-row forward {d * 1e3:.1f} ms = {d / t['target'][1]:.2f}x the target's "
+                  f"{t['target'][1] * 1e3:.1f} ms; its output head alone {head_s * 1e3:.1f} ms ({head_s / d:.0%} of "
+                  f"it; without it {(d - head_s) / t['target'][1]:.2f}x)")
+        print(f"  ({load})")
     if "contention" not in skip:
-        from specav.models.threads import ThreadChoice
-
-        target.threads = ThreadChoice() if native.available() else None  # a fresh policy: nothing learnt yet
         del models
         contention(target, args.repeats, args.threads)
 

@@ -30,6 +30,7 @@
 
 #include "common.h"
 
+#include <array>
 #include <type_traits>
 #include <vector>
 
@@ -167,14 +168,20 @@ std::vector<at::Tensor> kq_matmul(const at::Tensor& x, at::TensorList weights, a
   const Activations a = quantize_rows(x, nb);
   const ActView view{a.xq.data_ptr<int8_t>(), a.dx.data_ptr<float>(), a.xs32.data_ptr<float>(),
                      a.xs16.data_ptr<int16_t>(), nb, a.kp};
-  // Chunks of output features, weight by weight: (weight, first feature) for chunk c.
-  constexpr int64_t kChunk = 16;
-  std::vector<std::pair<int64_t, int64_t>> chunks;
-  for (int64_t i = 0; i < n_weights; ++i)
-    for (int64_t f = 0; f < ns[i]; f += kChunk) chunks.emplace_back(i, f);
+  // Chunks of output features, weight by weight: (weight, first feature, end feature). About 32 KiB
+  // of weights each (16 rows of K = 8960, 56 of K = 1024): each chunk is a few microseconds of
+  // work, so taking one (an atomic step of the dynamic schedule) costs little beside it (16 rows
+  // whatever K made the drafter's K = 1024 layers 40% slower at two threads).
+  std::vector<std::array<int64_t, 3>> chunks;
+  int64_t max_chunk = 0;
+  for (int64_t i = 0; i < n_weights; ++i) {
+    const int64_t chunk = std::clamp<int64_t>(32768 / (nb * block_bytes(qtypes[i])), 16, 1024);
+    max_chunk = std::max(max_chunk, chunk);
+    for (int64_t f = 0; f < ns[i]; f += chunk) chunks.push_back({i, f, std::min(ns[i], f + chunk)});
+  }
   // Loop order, per the variant's measurements (kquant_avx2.h, kquant_avx512.h): with kTileOuter,
-  // each tile of activation rows passes over every weight row of the chunk (the chunk's weights,
-  // 14-20 KiB, stay in the L1 cache), else each weight row passes over every tile. With kSegmentK,
+  // each tile of activation rows passes over every weight row of the chunk (the chunk's weights
+  // stay in the L2 cache), else each weight row passes over every tile. With kSegmentK,
   // where a tile's activations would not fit the L1 cache (16 KiB: K = 8960 at 5 rows), K runs in
   // segments of blocks, the partial sums of each (weight row, activation row) waiting in `state`
   // between segments. Each row's blocks are summed in the same order whatever the order, segments
@@ -183,11 +190,10 @@ std::vector<at::Tensor> kq_matmul(const at::Tensor& x, at::TensorList weights, a
   const int64_t seg = kSegmentK && tile_rows * a.kp > 16384 ? std::max<int64_t>(1, 16384 / (tile_rows * kBlock)) : nb;
   const int64_t* qt = qtypes.data();
   parallel_chunks(static_cast<int64_t>(chunks.size()), 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> state(seg < nb ? kChunk * rows * 8 : 0);
+    std::vector<float> state(seg < nb ? max_chunk * rows * 8 : 0);
     for (int64_t c = begin; c < end; ++c) {
-      const auto [i, first_feature] = chunks[c];
+      const auto [i, first_feature, last_feature] = chunks[c];
       const int64_t n = ns[i], bytes = qt[i] == kQ4K ? kQ4KBytes : kQ6KBytes;
-      const int64_t last_feature = std::min(n, first_feature + kChunk);
       for (int64_t b0 = 0; b0 < nb; b0 += seg) {
         const int64_t b1 = std::min(nb, b0 + seg);
         auto one = [&](auto r, int64_t r0, int64_t f) {

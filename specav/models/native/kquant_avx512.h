@@ -95,8 +95,10 @@ void q4k_tile(const uint8_t* w, const ActView& a, int64_t r0, int64_t b0, int64_
         isum = _mm256_dpwssd_epi32(isum, h, s[c]);
       }
       const float xd = a.dx[(r0 + r) * a.nb + b];
-      acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * xd), _mm256_cvtepi32_ps(isum), acc[r]);
-      acc[r] = _mm256_fnmadd_ps(mf, _mm256_loadu_ps(a.xs32 + (r0 + r) * (a.kp / 32) + b * 8), acc[r]);
+      // The block's sum, d dx isum - (dmin m) . (dx xs), then one add: the sum carried over the
+      // blocks waits for one addition per block, not for two fused multiply-adds.
+      const __m256 mins = _mm256_mul_ps(mf, _mm256_loadu_ps(a.xs32 + (r0 + r) * (a.kp / 32) + b * 8));
+      acc[r] = _mm256_add_ps(acc[r], _mm256_fmsub_ps(_mm256_set1_ps(d * xd), _mm256_cvtepi32_ps(isum), mins));
     }
   }
   finish(acc, b1 == a.nb, state, out, ldo, bias);
