@@ -1,4 +1,5 @@
-"""The native layer ops (native/layers.cpp) against torch, op by op and as a whole forward."""
+"""The native layer ops (native/layers.cpp) against torch, op by op and as a whole forward, in every
+native variant this machine runs (test ids name the variant; one the CPU lacks is skipped with why)."""
 
 from __future__ import annotations
 
@@ -10,11 +11,18 @@ import torch.nn.functional as F
 
 from specav.models import native
 from specav.models.layer_ops import NativeLayerOps, TorchLayerOps, layer_ops_for
+from specav.models.native.variants import VARIANTS
 from specav.models.packed import PackedCausalLM
 from tests.tiny_models import VOCAB, tiny_hf_model
 
-pytestmark = pytest.mark.skipif(not native.available(), reason="native kernels unavailable")
-OPS = torch.ops.specav_layers
+
+@pytest.fixture(params=[v.name for v in VARIANTS])
+def OPS(request):
+    """Each native variant's ops (torch.ops.specav_<variant>), skipped where this machine cannot run it."""
+    try:
+        return native.variant_ops(request.param)
+    except native.VariantUnavailable as err:
+        pytest.skip(str(err))
 
 
 def gen(seed: int) -> torch.Generator:
@@ -22,7 +30,7 @@ def gen(seed: int) -> torch.Generator:
 
 
 @pytest.mark.parametrize("rows,width", [(1, 1536), (3, 64), (2, 13)])  # 13: a tail past the 8-wide vectors
-def test_rms_norm_and_fused_residual(rows, width):
+def test_rms_norm_and_fused_residual(OPS, rows, width):
     x = torch.randn(rows, width, generator=gen(0)) * 3
     y = torch.randn(rows, width, generator=gen(1))
     w = torch.randn(width, generator=gen(2))
@@ -35,7 +43,7 @@ def test_rms_norm_and_fused_residual(rows, width):
 
 
 @pytest.mark.parametrize("shape", [(1, 8960), (3, 17)])
-def test_silu_mul(shape):
+def test_silu_mul(OPS, shape):
     g = torch.randn(shape, generator=gen(0)) * 6  # reaches both flat ends of the sigmoid
     g[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -30.0])
     u = torch.randn(shape, generator=gen(1))
@@ -43,7 +51,7 @@ def test_silu_mul(shape):
 
 
 @pytest.mark.parametrize("heads,dim", [(12, 128), (2, 16)])
-def test_rope_matches_rotate_half(heads, dim):
+def test_rope_matches_rotate_half(OPS, heads, dim):
     x = torch.randn(5, heads, dim, generator=gen(0))
     cos, sin = torch.randn(5, dim, generator=gen(1)), torch.randn(5, dim, generator=gen(2))
     half = dim // 2
@@ -71,7 +79,7 @@ def attention_reference(q, keys, values, lengths, scale, peek=0):
 
 
 @pytest.mark.parametrize("heads,kv_heads,dim", [(12, 2, 128), (4, 2, 16), (14, 2, 64), (4, 4, 8)])
-def test_attention_varlen_causal_grouped(heads, kv_heads, dim):
+def test_attention_varlen_causal_grouped(OPS, heads, kv_heads, dim):
     lengths, cached = [3, 1, 5, 2], [0, 40, 7, 300]
     keys = [torch.randn(p + n, kv_heads, dim, generator=gen(i)) for i, (p, n) in enumerate(zip(cached, lengths))]
     values = [torch.randn(p + n, kv_heads, dim, generator=gen(10 + i)) for i, (p, n) in enumerate(zip(cached, lengths))]
@@ -85,7 +93,7 @@ def test_attention_varlen_causal_grouped(heads, kv_heads, dim):
     assert not torch.allclose(out, peeking, rtol=1e-3, atol=1e-3)
 
 
-def test_attention_rows_do_not_depend_on_the_batch():
+def test_attention_rows_do_not_depend_on_the_batch(OPS):
     """Bit for bit: a request's output is the same alone or with others (no padding, no shared softmax)."""
     lengths = [2, 3, 1]
     keys = [torch.randn(10 * (i + 1), 2, 32, generator=gen(i)) for i in range(3)]
@@ -98,7 +106,7 @@ def test_attention_rows_do_not_depend_on_the_batch():
         assert torch.equal(alone, together[s:s + n])
 
 
-def test_bad_inputs_are_refused():
+def test_bad_inputs_are_refused(OPS):
     q = torch.randn(2, 4, 16)
     k = torch.randn(3, 2, 16)
     with pytest.raises(RuntimeError, match="sum to q's rows"):
@@ -112,20 +120,22 @@ def test_bad_inputs_are_refused():
 
 
 def test_native_ops_are_chosen_only_where_they_apply(monkeypatch):
-    assert layer_ops_for(torch.float32, "silu", 128) is NativeLayerOps
-    assert layer_ops_for(torch.bfloat16, "silu", 128) is TorchLayerOps  # bf16 keeps transformers' rounding
-    assert layer_ops_for(torch.float32, "gelu", 128) is TorchLayerOps
-    assert layer_ops_for(torch.float32, "silu", 12) is TorchLayerOps
+    assert native.available(), native.unavailable_reason()
+    chosen = layer_ops_for(torch.float32, "silu", 128)
+    assert isinstance(chosen, NativeLayerOps) and chosen.native is native.ops()  # the machine's variant
+    assert isinstance(layer_ops_for(torch.bfloat16, "silu", 128), TorchLayerOps)  # bf16 keeps transformers' rounding
+    assert isinstance(layer_ops_for(torch.float32, "gelu", 128), TorchLayerOps)
+    assert isinstance(layer_ops_for(torch.float32, "silu", 12), TorchLayerOps)
     monkeypatch.setattr(native, "available", lambda: False)
-    assert layer_ops_for(torch.float32, "silu", 128) is TorchLayerOps
+    assert isinstance(layer_ops_for(torch.float32, "silu", 128), TorchLayerOps)
 
 
 @pytest.mark.parametrize("family", ["qwen2", "llama"])
-def test_packed_forward_with_native_ops_equals_torch_ops(family):
+def test_packed_forward_with_native_ops_equals_torch_ops(OPS, family):
     """The same tiny model, the same packed rounds (prefills, varlen verification, rollbacks), run
     with either ops: logits agree to float32 rounding."""
     runs = {}
-    for ops in (NativeLayerOps, TorchLayerOps):
+    for ops in (NativeLayerOps(OPS), TorchLayerOps()):
         model = PackedCausalLM(tiny_hf_model(family, seed=3))
         model.ops = ops
         caches = [model.new_cache(capacity=4) for _ in range(3)]
@@ -138,5 +148,5 @@ def test_packed_forward_with_native_ops_equals_torch_ops(family):
             for cache, r in zip(caches, rollback):
                 cache.rollback(r)
         runs[ops.name] = torch.cat(logits)
-    assert PackedCausalLM(tiny_hf_model(family)).ops is NativeLayerOps  # what float32 models run by default
+    assert isinstance(PackedCausalLM(tiny_hf_model(family)).ops, NativeLayerOps)  # what float32 models run by default
     torch.testing.assert_close(runs["native"], runs["torch"], rtol=1e-5, atol=1e-5)

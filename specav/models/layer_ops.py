@@ -6,11 +6,12 @@ between its linear layers, both with transformers' Llama / Qwen2 semantics:
 - `TorchLayerOps`: torch ops, any dtype. RMSNorm is transformers' own module (float32
   as one `F.rms_norm`); attention is one `F.scaled_dot_product_attention` call over the
   requests padded to the longest one, with a causal mask (`_PaddedLayout`).
-- `NativeLayerOps`: float32 only, one native call per operation (native/layers.cpp):
-  residual add fused with the next norm, rotary in place, SiLU-gate fused with its
-  product, and attention straight from each request's cache (no padding, no mask). On a
-  decoding row these ops cost microseconds where the torch ops cost tens, which is about a
-  quarter of a quantized decoding forward (docs/quantized.md).
+- `NativeLayerOps`: float32 only, one native call per operation (native/layers.cpp, in the
+  native variant this machine runs): residual add fused with the next norm, rotary in place,
+  SiLU-gate fused with its product, and attention straight from each request's cache (no
+  padding, no mask). On a decoding row these ops cost microseconds where the torch ops cost
+  tens, which is about a quarter of a quantized decoding forward (docs/quantized.md). Where
+  the MLP has gate and up fused into one call (quant.FusedLinear), it uses that call.
 
 `layer_ops_for(model)` picks the native ops where they apply (float32 activations, SiLU
 gate, head dim a multiple of 8, native kernels built) and the torch ops elsewhere; the two
@@ -79,53 +80,55 @@ class TorchLayerOps:
 
     @staticmethod
     def mlp(mlp: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-        return mlp(x)
+        return mlp(x)  # transformers' own (a quantized MLP's projections are modules too)
 
 
 class NativeLayerOps:
-    """The same arithmetic as `TorchLayerOps` in one native call per operation (float32)."""
+    """The same arithmetic as `TorchLayerOps` in one native call per operation (float32), from one
+    native variant's ops (`native.ops()`: the variant this machine runs, unless told otherwise)."""
 
     name = "native"
 
-    @staticmethod
-    def norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.specav_layers.rms_norm(x, norm.weight, norm.variance_epsilon)
+    def __init__(self, ops=None) -> None:
+        self.native = ops if ops is not None else native.ops()  # torch.ops.specav_<variant>
 
-    @staticmethod
-    def add_norm(h: torch.Tensor, y: torch.Tensor, norm: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    def norm(self, norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return self.native.rms_norm(x, norm.weight, norm.variance_epsilon)
+
+    def add_norm(self, h: torch.Tensor, y: torch.Tensor, norm: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
         """h += y in place (h is the forward's own residual stream), and its norm."""
-        return h, torch.ops.specav_layers.add_rms_norm_(h, y, norm.weight, norm.variance_epsilon)
+        return h, self.native.add_rms_norm_(h, y, norm.weight, norm.variance_epsilon)
 
     @staticmethod
     def rope_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return cos.contiguous(), sin.contiguous()  # [T, D] each
 
-    @staticmethod
-    def rope(x: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        return torch.ops.specav_layers.rope_(x, *tables)  # x is a fresh projection: rotated in place
+    def rope(self, x: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return self.native.rope_(x, *tables)  # x is a fresh projection: rotated in place
 
     @staticmethod
     def layout(cached: Sequence[int], lengths: Sequence[int]) -> list[int]:
         return list(lengths)  # the native attention reads each request's cache as it is: no padding
 
-    @staticmethod
-    def attend(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], layout: list[int],
+    def attend(self, q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], layout: list[int],
                scale: float) -> torch.Tensor:
-        return torch.ops.specav_layers.attention(q, keys, values, layout, scale)
+        return self.native.attention(q, keys, values, layout, scale)
 
-    @staticmethod
-    def mlp(mlp: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-        return mlp.down_proj(torch.ops.specav_layers.silu_mul(mlp.gate_proj(x), mlp.up_proj(x)))
+    def mlp(self, mlp: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """down(silu(gate(x)) * up(x)); gate and up in one call where the MLP has them fused."""
+        gate_up = getattr(mlp, "gate_up_proj", None)  # quant.FusedLinear, on quantized models
+        gate, up = gate_up(x) if gate_up is not None else (mlp.gate_proj(x), mlp.up_proj(x))
+        return mlp.down_proj(self.native.silu_mul(gate, up))
 
 
-LayerOps = type[TorchLayerOps] | type[NativeLayerOps]
+LayerOps = TorchLayerOps | NativeLayerOps
 
 
 def layer_ops_for(dtype: torch.dtype, hidden_act: str, head_dim: int) -> LayerOps:
     """The native ops where they apply (float32, SiLU gate, head dim a multiple of 8, kernels built)."""
     if dtype == torch.float32 and hidden_act == "silu" and head_dim % 8 == 0 and native.available():
-        return NativeLayerOps
-    return TorchLayerOps
+        return NativeLayerOps()
+    return TorchLayerOps()
 
 
 @dataclass(slots=True)

@@ -60,11 +60,11 @@ def load_checkpoint(path: str, dtype: str = "bf16", role: str = "target") -> Che
     """Load `path` ("default" = the packaged model for `role`, a HF directory, or a .gguf file)."""
     kind = check_checkpoint(path, dtype, role)
     if kind == "packaged":
-        return _load_packaged(packaged.PACKAGED[role], dtype)
+        return _load_packaged(packaged.PACKAGED[role], dtype, role)
     p = Path(path).expanduser()
     if kind == "hf":
         return _load_hf_dir(p, "bf16" if dtype == "auto" else dtype)
-    return _load_gguf(p, dtype)
+    return _load_gguf(p, dtype, role)
 
 
 def check_checkpoint(path: str, dtype: str = "bf16", role: str = "target") -> str:
@@ -112,14 +112,14 @@ def vocabulary_mismatch(target: str, target_size: int, drafter: str, drafter_siz
             f"choose a drafter with the target's tokenizer, or decode without one (--no-speculation)")
 
 
-def _load_packaged(model: packaged.PackagedModel, dtype: str) -> Checkpoint:
+def _load_packaged(model: packaged.PackagedModel, dtype: str, role: str = "target") -> Checkpoint:
     try:
         gguf_path = packaged.assembled_gguf(model)
     except packaged.PackagedModelError as e:
         raise CheckpointError(str(e)) from None
     converted = gguf_path.parent / "hf-bf16"
     if dtype in QUANTIZED_DTYPES:
-        return _load_gguf_quantized(gguf_path, dtype, lambda: _packaged_tokenizer(gguf_path, converted))
+        return _load_gguf_quantized(gguf_path, dtype, lambda: _packaged_tokenizer(gguf_path, converted), role)
     if not (converted / "config.json").exists():
         _convert_to_hf(gguf_path, converted)
     checkpoint = _load_hf_dir(converted, dtype)
@@ -206,12 +206,12 @@ def _check_hf_dir(path: Path) -> None:
                               f"weight files into it")
 
 
-def _load_gguf(path: Path, dtype: str) -> Checkpoint:
+def _load_gguf(path: Path, dtype: str, role: str = "target") -> Checkpoint:
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
     _check_architecture(_check_gguf(path), path)
     if dtype in QUANTIZED_DTYPES:
-        return _load_gguf_quantized(path, dtype)
+        return _load_gguf_quantized(path, dtype, role=role)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
         hf = AutoModelForCausalLM.from_pretrained(
@@ -224,13 +224,14 @@ def _load_gguf(path: Path, dtype: str) -> Checkpoint:
     return Checkpoint(PackedCausalLM(hf), tokenizer, str(path), path)
 
 
-def _load_gguf_quantized(path: Path, dtype: str, load_tokenizer: Callable[[], object] | None = None) -> Checkpoint:
+def _load_gguf_quantized(path: Path, dtype: str, load_tokenizer: Callable[[], object] | None = None,
+                         role: str = "target") -> Checkpoint:
     from transformers import AutoTokenizer
 
     try:
         tokenizer = (load_tokenizer() if load_tokenizer else
                      AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True))
-        model = load_quantized(path, dtype, cache_root() / KERNEL_PROFILE)
+        model = load_quantized(path, dtype, cache_root() / KERNEL_PROFILE, role)
     except (QuantizedGGUFError, ValueError, KeyError, IndexError, OSError) as e:
         raise _unloadable(path, dtype, e) from None
     return Checkpoint(model, tokenizer, str(path), path)

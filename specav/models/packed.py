@@ -13,6 +13,10 @@ module swapped for a quantized one is picked up without changes here. The arithm
 between the linear layers (norms, rotary, attention, the MLP's gate) comes from
 layer_ops.py: torch ops, or one native call each for float32 activations.
 
+Threads: a model on the native kernels runs each forward with the intra-op thread count that
+has been fastest for forwards of its size (threads.py: on shared cores, fewer threads can be
+much faster), set for the forward and restored after it.
+
 Must not know: sampling, drafting, requests or the engine.
 """
 
@@ -25,6 +29,7 @@ import torch
 
 from specav.models.kv_cache import KVCache
 from specav.models.layer_ops import layer_ops_for
+from specav.models.threads import ThreadChoice
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 
@@ -56,6 +61,7 @@ class PackedCausalLM:
         self.dtype = self.decoder.norm.weight.dtype  # activations and KV caches (quantized linears have no .weight)
         self.vocab_size = config.vocab_size
         self.ops = layer_ops_for(self.dtype, config.hidden_act, self.head_dim)
+        self.threads: ThreadChoice | None = None  # set by quant.py for models on the native kernels
 
     def new_cache(self, capacity: int = 256) -> KVCache:
         return KVCache(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype, capacity)
@@ -74,6 +80,13 @@ class PackedCausalLM:
             raise ValueError("token_ids, caches and num_logits must have one non-empty entry per request")
         if any(not 0 <= n <= q for n, q in zip(num_logits, lengths)):
             raise ValueError(f"num_logits {list(num_logits)} must be within each request's new tokens {lengths}")
+        if self.threads is None:
+            return self._forward(token_ids, caches, lengths, num_logits)
+        with self.threads.scope(sum(lengths)):
+            return self._forward(token_ids, caches, lengths, num_logits)
+
+    def _forward(self, token_ids: Sequence[Sequence[int]], caches: Sequence[KVCache], lengths: list[int],
+                 num_logits: Sequence[int]) -> ForwardOutput:
         ids = torch.tensor([t for seq in token_ids for t in seq], dtype=torch.long)  # [T]
         positions = torch.cat([torch.arange(c.length, c.length + n) for c, n in zip(caches, lengths)])  # [T]
         for cache, n in zip(caches, lengths):
@@ -101,9 +114,11 @@ class PackedCausalLM:
                    batch: "_Batch", layer_idx: int) -> torch.Tensor:
         """Projections over all T tokens; one attention call over every request's cache."""
         t = x.shape[0]
-        q = attn.q_proj(x).view(t, self.num_heads, self.head_dim)  # [T, H, D]
-        k = attn.k_proj(x).view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        v = attn.v_proj(x).view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        qkv = getattr(attn, "qkv_proj", None)  # quant.FusedLinear: one call for the three, on quantized models
+        q, k, v = qkv(x) if qkv is not None else (attn.q_proj(x), attn.k_proj(x), attn.v_proj(x))
+        q = q.view(t, self.num_heads, self.head_dim)  # [T, H, D]
+        k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = v.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         q, k = self.ops.rope(q, rope), self.ops.rope(k, rope)
         keys, values = [], []
         for cache, start, n in zip(batch.caches, batch.starts, batch.lengths):

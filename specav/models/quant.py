@@ -18,7 +18,12 @@ embedding is a `QuantizedEmbedding`; the precision modes behind `--dtype q4` and
   float32 norms, attention and KV caches are faster than bf16, and each kernel converts
   its input to what it needs (bf16 for int4 / int8, int8 for int8dyn). KV caches follow
   (`PackedCausalLM.dtype` is float32).
-- The packed forward and KV caches are unchanged: they call the modules by name.
+- The packed forward and KV caches are unchanged: they call the modules by name. Each layer
+  also gets `self_attn.qkv_proj` and `mlp.gate_up_proj` (`FusedLinear`): q/k/v and gate/up
+  of one input in one native call where they all run kquant (packed.py and layer_ops.py use
+  them when present).
+- Roles: a drafter in `auto` runs every layer on the native kernel, requantising its Q5_0 /
+  Q8_0 weights to Q4_K at load (quant_choice.NativeDrafter); a target keeps the file's weights.
 
 Exact vs approximate (see quant_formats.py and quant_kernels.py): Q4_K, Q4_0 and Q4_1
 weights keep their exact codes (int4, scales and zeros rounded to bf16); other types are
@@ -31,6 +36,7 @@ Must not know: tokenizers, sampling, the engine.
 from __future__ import annotations
 
 import ctypes
+import functools
 from dataclasses import replace
 from pathlib import Path
 
@@ -38,11 +44,13 @@ import numpy as np
 import torch
 from torch import nn
 
+from specav.models import native
 from specav.models.packed import PackedCausalLM
-from specav.models.quant_choice import POLICIES, KernelPlan, Policy
+from specav.models.quant_choice import POLICIES, KernelPlan, MeasuredChoice, Policy, policy_for, shape_key
 from specav.models.quant_formats import GGUFWeight, dequantize
 from specav.models.quant_gguf import GGUFHeader, QuantizedGGUFError, read_header
-from specav.models.quant_kernels import KERNELS, PackedWeight
+from specav.models.quant_kernels import KERNELS, KQuantWeight, PackedWeight, kquant_matmuls
+from specav.models.threads import ThreadChoice
 
 QUANTIZED_DTYPES = tuple(POLICIES)  # ("q4", "auto")
 ACTIVATION_DTYPE = torch.float32
@@ -67,6 +75,7 @@ class QuantizedLinear(nn.Module):
 
     @classmethod
     def from_gguf(cls, weight: GGUFWeight, bias: torch.Tensor | None, policy: Policy) -> QuantizedLinear:
+        weight = policy.convert(weight)
         plan = policy.plan(weight)
         return cls({k: KERNELS[k].pack(weight) for k in plan.distinct}, plan, bias)
 
@@ -74,13 +83,17 @@ class QuantizedLinear(nn.Module):
     def nbytes(self) -> int:
         return sum(p.nbytes for p in self.packed.values()) + (0 if self.bias is None else self.bias.nbytes)
 
+    def packed_for(self, num_rows: int) -> PackedWeight:
+        """The packed weight whose kernel runs `num_rows` rows."""
+        weight = self._by_rows.get(num_rows)
+        if weight is None:
+            weight = self._by_rows[num_rows] = self.packed[self.plan.kernel_for(num_rows)]
+        return weight
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x # [..., in_features] -> # [..., out_features] in x's dtype."""
         rows = x if x.dim() == 2 else x.reshape(-1, self.in_features)  # [T, K]
-        weight = self._by_rows.get(rows.shape[0])
-        if weight is None:
-            weight = self._by_rows[rows.shape[0]] = self.packed[self.plan.kernel_for(rows.shape[0])]
-        y = weight.matmul(rows, self.bias)  # [T, N] float32
+        y = self.packed_for(rows.shape[0]).matmul(rows, self.bias)  # [T, N] float32
         if y.dtype != x.dtype:
             y = y.to(x.dtype)
         return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
@@ -88,6 +101,23 @@ class QuantizedLinear(nn.Module):
     def extra_repr(self) -> str:
         plan = ", ".join(f"{r}:{k}" for r, k in zip(self.plan.rows, self.plan.kernels))
         return f"in_features={self.in_features}, out_features={self.out_features}, kernels by rows={{{plan}}}"
+
+
+class FusedLinear(nn.Module):
+    """Several QuantizedLinears of one input (q/k/v, gate/up) in one native call where every one of
+    them runs kquant at that row count (one activation quantisation, one pass of the threads), else
+    one call each. Holds no weights of its own: the members stay the model's submodules."""
+
+    def __init__(self, members: list[QuantizedLinear]) -> None:
+        super().__init__()
+        self._members = tuple(members)  # not registered: they are already the parent's submodules
+
+    def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """x # [T, in_features] float32 -> one # [T, out_features_i] per member."""
+        packed = [m.packed_for(x.shape[0]) for m in self._members]
+        if all(isinstance(p, KQuantWeight) for p in packed):
+            return kquant_matmuls(x, packed, [m.bias for m in self._members])
+        return [m(x) for m in self._members]
 
 
 class QuantizedEmbedding(nn.Module):
@@ -110,10 +140,11 @@ class QuantizedEmbedding(nn.Module):
         return dequantize(rows).to(ACTIVATION_DTYPE).reshape(*ids.shape, self.embedding_dim)
 
 
-def load_quantized(path: Path, mode: str, profile_path: Path | None = None) -> PackedCausalLM:
+def load_quantized(path: Path, mode: str, profile_path: Path | None = None, role: str = "target") -> PackedCausalLM:
     """Build the packed model of GGUF file `path` with its weights quantized as `mode` says.
 
     profile_path: where `auto` keeps its measured kernel times (None: measure, keep nothing).
+    role: "target" or "drafter" (a drafter in `auto` runs every layer natively: quant_choice.py).
     """
     from transformers import AutoModelForCausalLM
 
@@ -121,7 +152,9 @@ def load_quantized(path: Path, mode: str, profile_path: Path | None = None) -> P
         raise ValueError(f"quantized mode {mode!r} is unknown; use one of {QUANTIZED_DTYPES}")
     header = read_header(path)
     config = hf_config(header)
-    policy = POLICIES[mode](profile_path)
+    policy = policy_for(mode, role, profile_path)
+    if isinstance(policy, MeasuredChoice):
+        policy.measure_missing(_linear_shapes(header))
     with torch.device("meta"):
         hf = AutoModelForCausalLM.from_config(config, dtype=ACTIVATION_DTYPE)
     files = _Tensors(header, config)
@@ -136,15 +169,32 @@ def load_quantized(path: Path, mode: str, profile_path: Path | None = None) -> P
             layer.set_submodule(module, QuantizedLinear.from_gguf(weight, bias, policy))
         for gguf_name, module in _NORMS.items():
             layer.get_submodule(module).weight = files.parameter(f"blk.{i}.{gguf_name}.weight")
+        attn, mlp = layer.self_attn, layer.mlp  # one call for the projections of one input (packed.py)
+        attn.qkv_proj = FusedLinear([attn.q_proj, attn.k_proj, attn.v_proj])
+        mlp.gate_up_proj = FusedLinear([mlp.gate_proj, mlp.up_proj])
         _return_freed_memory()
     hf.model.norm.weight = files.parameter("output_norm.weight")
     hf.model.embed_tokens = QuantizedEmbedding(header.weight("token_embd.weight"))
     hf.model.rotary_emb = type(hf.model.rotary_emb)(config=config)  # its buffers were built on meta
     hf.lm_head = lm_head
     packed = PackedCausalLM(hf)
+    if native.available():  # the thread count changes speed only, never the native kernels' numbers
+        packed.threads = ThreadChoice()
     _check_materialised(hf, path)
     _return_freed_memory()
     return packed
+
+
+def _linear_shapes(header: GGUFHeader) -> dict:
+    """One linear weight per (type, shape) of the file: profile key -> (its type, a reader)."""
+    lm_head = "output.weight" if "output.weight" in header.tensors else "token_embd.weight"
+    shapes = {}
+    for info in header.tensors.values():
+        parts = info.name.split(".")
+        if info.name == lm_head or (len(parts) == 4 and parts[0] == "blk" and parts[2] in _LINEARS and parts[3] == "weight"):
+            key = shape_key(info.qtype, (info.dims[1], info.dims[0]))  # torch order: (N, K)
+            shapes.setdefault(key, (info.qtype, functools.partial(header.weight, info.name)))
+    return shapes
 
 
 def hf_config(header: GGUFHeader):

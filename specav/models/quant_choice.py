@@ -5,16 +5,19 @@ kernel profile that `auto` chooses from.
 
 - `q4` (`FixedRule`): the closest kernel to the file's own weights, whatever the speed:
   int4 for the 4-bit types (exact codes), int8 weight-only for the rest.
-- `auto` (`MeasuredChoice`): for each (GGUF type, N x K) met while loading, every kernel
-  that can hold the type is timed at 1, 4, 16 and 64 rows (cache-cold, one thread, the
-  kernels taking turns, best of 7 taken in two passes over the row counts). The kernel
+- `auto` (`MeasuredChoice`), for a target: for each (GGUF type, N x K) of the file, every
+  kernel that can hold the type is timed at 1, 4, 16 and 64 rows (cache-cold, one thread, the
+  kernels taking turns, best of 7 taken in two passes over the row counts), before the layers
+  are built, with a progress bar on stderr (none when every shape is cached). The kernel
   fastest overall runs every row count, except that one second kernel may take the row
-  counts where it is more than 10% faster
-  (a second kernel costs a second packed copy of the layer: kquant for decoding beside
-  int8dyn for verification; docs/quantized.md gives the memory). Times are measured once
-  per machine and kept in `<cache>/kernel-profile.json` under a key naming the CPU, the
-  torch version and the native kernels' build (delete the file to measure again);
+  counts where it is more than 10% faster (a second kernel costs a second packed copy of the
+  layer; docs/quantized.md gives the memory). Times are measured once per machine and kept
+  in `<cache>/kernel-profile.json` under a key naming the CPU, the torch version and the
+  native kernels' build (variant and source hash; delete the file to measure again);
   `profile()` returns them.
+- `auto` for a drafter (`NativeDrafter`, where the native kernels run): every layer on kquant,
+  the file's Q5_0 / Q8_0 weights requantised to Q4_K at load (drafter precision never touches
+  losslessness); nothing is measured.
 
 Why one thread: on a shared 2-core machine, a 2-thread kernel call of about a millisecond
 waits for a descheduled thread most of the time, so 2-thread timings come out as
@@ -39,13 +42,15 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Callable, Protocol
 
+import gguf
 import torch
+from tqdm import tqdm
 
 from specav.models import native
-from specav.models.quant_formats import GGUFWeight
-from specav.models.quant_kernels import KERNELS, Int4Weight, PackedWeight
+from specav.models.quant_formats import GGUFWeight, requantize_q4_k
+from specav.models.quant_kernels import KERNELS, Int4Weight, KQuantWeight, PackedWeight
 
 ROW_BUCKETS = (1, 4, 16, 64)
 _PASSES = (4, 3)  # repeats per pass: 7 samples of each (kernel, rows), in two bursts seconds apart
@@ -69,6 +74,10 @@ class KernelPlan:
 
 
 class Policy(Protocol):
+    def convert(self, weight: GGUFWeight) -> GGUFWeight:
+        """The weight as the plan's kernels take it (itself, unless the policy requantises)."""
+        ...
+
     def plan(self, weight: GGUFWeight) -> KernelPlan: ...
 
 
@@ -78,9 +87,30 @@ class FixedRule:
     def __init__(self, cache_path: Path | None = None) -> None:
         del cache_path  # nothing is measured
 
+    def convert(self, weight: GGUFWeight) -> GGUFWeight:
+        return weight
+
     def plan(self, weight: GGUFWeight) -> KernelPlan:
         kernel = "int4" if Int4Weight.supports(weight.qtype) else "int8"
         return KernelPlan((1,), (kernel,))
+
+
+class NativeDrafter:
+    """`auto` for a drafter: every layer on the native kernel at every row count, its Q5_0 / Q8_0 (and
+    any other non-k-quant) weights requantised to Q4_K at load. Drafter precision never touches
+    losslessness (the rejection sampler uses whatever q the drafter produced); what it costs in
+    acceptance is measured in docs/quantized.md. Needs the native kernels (native.available())."""
+
+    def __init__(self, cache_path: Path | None = None) -> None:
+        del cache_path  # nothing is measured: one kernel runs everything
+
+    def convert(self, weight: GGUFWeight) -> GGUFWeight:
+        if weight.qtype in KQuantWeight.exact_types and weight.shape[1] % 256 == 0:
+            return weight  # runs as stored
+        return requantize_q4_k(weight, native.ops().quantize_q4_k)
+
+    def plan(self, weight: GGUFWeight) -> KernelPlan:
+        return KernelPlan((1,), ("kquant",))
 
 
 class MeasuredChoice:
@@ -92,14 +122,29 @@ class MeasuredChoice:
         self.machine = machine_key()
         self._times = _read_profile(cache_path).get(self.machine, {}) if cache_path else {}
 
+    def convert(self, weight: GGUFWeight) -> GGUFWeight:
+        return weight
+
     def plan(self, weight: GGUFWeight) -> KernelPlan:
         return plan_from_times(self.times(weight))
+
+    def measure_missing(self, weights: dict[str, tuple[gguf.GGMLQuantizationType, Callable[[], GGUFWeight]]]) -> None:
+        """Time every shape the profile lacks, with a progress bar on stderr (none when all are
+        cached). weights: profile key -> (its GGUF type, a function reading one weight of it)."""
+        missing = {key: read for key, (qtype, read) in weights.items() if not self._measured(key, qtype)}
+        for key in tqdm(missing, desc="specav: timing the kernels of each layer shape (once per machine)",
+                        unit="shape", file=sys.stderr, disable=not missing):
+            self.times(missing[key]())
+
+    def _measured(self, key: str, qtype: gguf.GGMLQuantizationType) -> bool:
+        times = self._times.get(key, {})
+        return all(k in times for k in self.candidates if KERNELS[k].supports(qtype))
 
     def times(self, weight: GGUFWeight) -> dict[str, list[float]]:
         key = profile_key(weight)
         usable = [k for k in self.candidates if KERNELS[k].supports(weight.qtype)]
         times = self._times.get(key, {})
-        if not all(k in times for k in usable):
+        if not self._measured(key, weight.qtype):
             times = measure({k: KERNELS[k].pack(weight) for k in usable})
             self._times[key] = times
             if self.cache_path is not None:
@@ -112,6 +157,13 @@ class MeasuredChoice:
 
 
 POLICIES = {"q4": FixedRule, "auto": MeasuredChoice}
+
+
+def policy_for(mode: str, role: str, cache_path: Path | None) -> Policy:
+    """The policy of `mode` for a model of `role` ("target" or "drafter")."""
+    if mode == "auto" and role == "drafter" and native.available():
+        return NativeDrafter(cache_path)
+    return POLICIES[mode](cache_path)
 SECOND_KERNEL_GAIN = 1.1  # a second kernel takes a row count only where it is >10% faster
 
 
@@ -135,14 +187,18 @@ def plan_from_times(times: dict[str, list[float]]) -> KernelPlan:
 
 
 def profile_key(weight: GGUFWeight) -> str:
-    n, k = weight.shape
-    return f"{weight.qtype.name} {n}x{k}"
+    return shape_key(weight.qtype, weight.shape)
+
+
+def shape_key(qtype: gguf.GGMLQuantizationType, shape: tuple[int, int]) -> str:
+    """The profile's key of a weight of type `qtype` and (N, K) `shape`: "Q4_K 8960x1536"."""
+    return f"{qtype.name} {shape[0]}x{shape[1]}"
 
 
 def machine_key() -> str:
     """CPU, torch and native-kernel build: timings taken with another kernel build are not reused."""
     return (f"{_cpu_name()} | {torch.backends.cpu.get_cpu_capability()} | torch {torch.__version__} | "
-            f"kquant {native.build_directory().name} | 1 thread")
+            f"kquant {native.build_key()} | 1 thread")
 
 
 def measure(candidates: dict[str, PackedWeight], rows: tuple[int, ...] = ROW_BUCKETS) -> dict[str, list[float]]:

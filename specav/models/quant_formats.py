@@ -17,6 +17,10 @@ kernels need:
   kernel takes per-block scales with more than 4 bits, so int8 per row is the closest
   layout that is fast here.
 
+- `requantize_q4_k`: any type -> Q4_K blocks (approximate), for the drafter's Q5_0 / Q8_0
+  tensors, so that the native kernel runs every drafter layer (drafter precision never touches
+  losslessness: the rejection sampler uses whatever q the drafter produced).
+
 Shapes use torch's order: a weight is # [N, K] (N output features, K input features); the
 GGUF header lists the same tensor as [K, N].
 
@@ -26,6 +30,7 @@ Must not know: modules, kernels' speed, or which model the tensor belongs to.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import gguf
 import numpy as np
@@ -51,12 +56,15 @@ class GGUFWeight:
 
 
 def dequantize(weight: GGUFWeight, rows: slice | np.ndarray = slice(None)) -> torch.Tensor:
-    """The float reference: rows of the weight as # [n, K] float32 (the gguf package's dequantiser)."""
+    """The float reference: rows of the weight as # [n, K] float32 (the gguf package's dequantiser).
+    Blocks padded past K (requantize_q4_k) dequantise to their first K columns."""
     data = np.ascontiguousarray(weight.blocks[rows])
-    out = np.asarray(gguf.quants.dequantize(data, weight.qtype), dtype=np.float32)
-    if np.may_share_memory(out, weight.blocks):  # F32 tensors come back as views of the file
-        out = out.copy()
-    return torch.from_numpy(out.reshape(data.shape[0], weight.shape[1]))
+    out = np.asarray(gguf.quants.dequantize(data, weight.qtype), dtype=np.float32).reshape(data.shape[0], -1)
+    if out.shape[1] != weight.shape[1]:
+        out = out[:, :weight.shape[1]]
+    if np.may_share_memory(out, weight.blocks) or not out.flags.c_contiguous:  # F32 tensors are views of the file
+        out = np.ascontiguousarray(out).copy()
+    return torch.from_numpy(out)
 
 
 def int4_groups(weight: GGUFWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -108,31 +116,21 @@ def _q4_k(data: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 _INT4_DECODERS = {T.Q4_0: _q4_0, T.Q4_1: _q4_1, T.Q4_K: _q4_k}
 
 
-def kquant_parts(weight: GGUFWeight) -> dict[str, torch.Tensor]:
-    """Q4_K / Q6_K -> the file's codes and scales split into arrays, as the native kernel reads them.
+def requantize_q4_k(weight: GGUFWeight, quantize: Callable[[torch.Tensor], torch.Tensor]) -> GGUFWeight:
+    """Any type -> Q4_K blocks of its dequantised values (approximate: a second rounding, to 4.5 bits
+    per weight). K is padded with zero weights to whole 256-element blocks (Q4_K's super-block; the
+    drafter's K = 896 becomes 4 blocks, the last half zeros); the shape stays (N, K), so the padding
+    is invisible to the kernels' callers.
 
-    Nothing is rounded: codes are the file's bytes, 6-bit Q4_K scales become uint8 and float16
-    super-block scales float32. Per weight row and 256-element super-block:
-    Q4_K: qs [128] nibbles, sc / mn [8] uint8, d / dmin float32;
-    Q6_K: ql [128] low nibbles, qh [64] high bit pairs, sc [16] int8, d float32.
+    quantize: rows # [n, K] float32 -> their Q4_K blocks # [n, ceil(K / 256) * 144] uint8, zero-padded
+    (the native quantiser, llama.cpp's reference algorithm: native/quantize.cpp).
     """
     n, k = weight.shape
-    blocks = np.ascontiguousarray(weight.blocks).reshape(n, k // 256, -1)
-    if weight.qtype == T.Q4_K:  # d f16, dmin f16, 12 bytes of 6-bit scales and mins, 128 bytes of nibbles
-        sc, mn = gguf.quants.Q4_K.get_scale_min(blocks[..., 4:16].reshape(-1, 12))
-        parts = {"qs": blocks[..., 16:], "sc": sc.reshape(n, -1, 8), "mn": mn.reshape(n, -1, 8),
-                 "d": _f16(blocks[..., 0:2]), "dmin": _f16(blocks[..., 2:4])}
-    elif weight.qtype == T.Q6_K:  # 128 bytes low nibbles, 64 bytes high bit pairs, 16 int8 scales, d f16
-        parts = {"ql": blocks[..., :128], "qh": blocks[..., 128:192], "sc": blocks[..., 192:208].view(np.int8),
-                 "d": _f16(blocks[..., 208:210])}
-    else:
-        raise ValueError(f"{weight.name} is {weight.qtype.name}; k-quant parts exist for Q4_K and Q6_K")
-    return {name: torch.from_numpy(np.ascontiguousarray(a)) for name, a in parts.items()}
-
-
-def _f16(pairs: np.ndarray) -> np.ndarray:
-    """Bytes # [..., 2] holding float16 -> # [...] float32."""
-    return np.ascontiguousarray(pairs).view(np.float16)[..., 0].astype(np.float32)
+    blocks = np.empty((n, -(-k // 256) * 144), dtype=np.uint8)
+    for start in range(0, n, _ROW_CHUNK):
+        rows = slice(start, min(n, start + _ROW_CHUNK))
+        blocks[rows] = quantize(dequantize(weight, rows)).numpy()  # [n_chunk, K] -> its blocks
+    return GGUFWeight(weight.name, T.Q4_K, (n, k), blocks)
 
 
 def int8_rows(weight: GGUFWeight) -> tuple[torch.Tensor, torch.Tensor]:

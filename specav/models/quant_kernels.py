@@ -20,11 +20,13 @@ int4 is `torch.ops.aten._weight_int4pack_mm_for_cpu` (bf16 scales and zeros), in
 is scaled to max |x| = 1 before it is quantised with one fixed scale, so the activation
 quantisation is per row. Activations use 7 bits (0..128 around zero point 64) because
 fbgemm's AVX2 path adds pairs of u8 x s8 products in int16, which saturates with 8-bit
-activations. kquant is specav's own AVX2 kernel (native/kquant.cpp, compiled on first use;
-absent where it cannot be built): it reads the file's 4.5 or 6.6 bits per weight, where the
-others read 8 or more, which is what decoding one row on a CPU is bound by. All four are
-batch-invariant: a row's output is bit for bit the same
-whatever other rows share the call (tested).
+activations. kquant is specav's own kernel (native/kquant.cpp, compiled on first use for the instruction
+set this machine runs safely, AVX-512 VNNI or AVX2; absent where it cannot be built): it reads
+the file's 4.5 or 6.6 bits per weight as stored, where the others read 8 or more, which is what
+decoding one row on a CPU is bound by, and decodes each weight block once for up to 8 (AVX-512)
+or 4 (AVX2) rows, which is what verifying several rows is bound by. Several kquant weights of one
+input run in one call (`kquant_matmuls`: q/k/v, gate/up). All four are batch-invariant: a row's
+output is bit for bit the same whatever other rows share the call (tested).
 
 Must not know: models, modules, which kernel is fastest (quant_choice.py measures that).
 """
@@ -38,7 +40,7 @@ import gguf
 import torch
 
 from specav.models import native
-from specav.models.quant_formats import GROUP, GGUFWeight, int4_groups, int8_rows, kquant_parts
+from specav.models.quant_formats import GROUP, GGUFWeight, int4_groups, int8_rows
 
 T = gguf.GGMLQuantizationType
 _DYN_SCALE, _DYN_ZERO_POINT = 2 / 127, 64  # x in [-1, 1] -> 0..128 (7 bits: no int16 saturation)
@@ -143,25 +145,32 @@ class KQuantWeight(PackedWeight):
     kernel = "kquant"
     exact_types = frozenset({T.Q4_K, T.Q6_K})
 
-    def __init__(self, qtype: T, parts: dict[str, torch.Tensor], shape: tuple[int, int]) -> None:
-        super().__init__(shape, sum(p.nbytes for p in parts.values()))
+    def __init__(self, qtype: T, blocks: torch.Tensor, shape: tuple[int, int], ops) -> None:
+        super().__init__(shape, blocks.nbytes)
         self.qtype = qtype
-        self.parts = tuple(parts.values())  # kquant_parts(): codes and scales per 256-element super-block
-        self._op = torch.ops.specav_kquant.q4k_matmul if qtype == T.Q4_K else torch.ops.specav_kquant.q6k_matmul
+        self.blocks = blocks  # [N, ceil(K / 256) * bytes per block] uint8: the file's blocks as stored
+        self.ops = ops  # the native variant's op namespace (native.ops(), unless a test names one)
 
     @classmethod
     def supports(cls, qtype: T) -> bool:
         return qtype in cls.exact_types and native.available()
 
     @classmethod
-    def pack(cls, weight: GGUFWeight) -> KQuantWeight:
-        if not cls.supports(weight.qtype):
+    def pack(cls, weight: GGUFWeight, ops=None) -> KQuantWeight:
+        if weight.qtype not in cls.exact_types or not native.available() and ops is None:
             raise ValueError(f"kquant cannot run {weight.name} ({weight.qtype.name}): "
                              f"{native.unavailable_reason() or 'only Q4_K and Q6_K'}")
-        return cls(weight.qtype, kquant_parts(weight), weight.shape)
+        return cls(weight.qtype, torch.from_numpy(weight.blocks), weight.shape, ops if ops is not None else native.ops())
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return self._op(x.float().contiguous(), *self.parts, bias)  # the bias is added in the kernel
+        return self.ops.kq_matmul(x.float().contiguous(), [self.blocks], [int(self.qtype)], [bias])[0]  # bias added inside
+
+
+def kquant_matmuls(x: torch.Tensor, weights: list[KQuantWeight], biases: list[torch.Tensor | None]) -> list[torch.Tensor]:
+    """x # [T, K] against several kquant weights of one input in one native call (one activation
+    quantisation, one pass of the threads): q/k/v, or gate/up -> one # [T, N_i] per weight."""
+    return weights[0].ops.kq_matmul(x.float().contiguous(), [w.blocks for w in weights],
+                                    [int(w.qtype) for w in weights], biases)
 
 
 KERNELS: dict[str, type[PackedWeight]] = {

@@ -1,105 +1,140 @@
-"""Native CPU kernels, compiled on first use: AVX2 matmul on GGUF k-quant blocks (kquant.cpp)
-and the small float32 operations of a decoder layer (layers.cpp).
+"""Native CPU kernels, built on first use for the instruction sets this machine runs safely:
+matmuls on GGUF k-quant blocks (kquant.cpp), a Q4_K quantiser (quantize.cpp) and the small float32
+operations of a decoder layer (layers.cpp).
 
-Owns: building both sources with torch's C++ extension tools (g++ and ninja) into one
-library in `~/.cache/specav/native/<build key>/` the first time a process needs it (about
-40 s; later processes load the built library in milliseconds), and saying why when it cannot.
+Owns: choosing the variant this process runs (variants.py, best first: AVX-512 VNNI, then AVX2),
+through the safe probe of probe.py (feature bits, OS permission, a self-test in a child process,
+its outcome cached beside the build), and loading that variant's library. `ops()` is its op
+namespace (`torch.ops.specav_<variant>`): `kq_matmul`, `quantize_activations`, `quantize_q4_k`,
+`rms_norm`, `add_rms_norm_`, `silu_mul`, `rope_`, `attention`. `variant_ops(name)` loads one
+named variant (for the tests, which run every variant the machine can, and for benchmarks).
 
-The ops land in `torch.ops.specav_kquant` (`q4k_matmul`, `q6k_matmul`,
-`quantize_activations`) and `torch.ops.specav_layers` (`rms_norm`, `add_rms_norm_`,
-`silu_mul`, `rope_`, `attention`). `available()` is False, with `unavailable_reason()`
-saying why, on CPUs without AVX2/FMA/F16C or where the build fails; the quantized path then
-uses torch's own kernels (quant_kernels.py) and the packed forward torch's own ops, so
-nothing but speed depends on this module.
+`available()` is False, with `unavailable_reason()` saying why, where no variant passes (a CPU
+without AVX2, no compiler, an unwritable cache); the quantized path then uses torch's own kernels
+(quant_kernels.py) and the packed forward torch's ops, and a warning says so: nothing but speed
+depends on this module.
+
+Environment (read when first needed, never at import): SPECAV_NO_NATIVE=1 runs torch's kernels
+only; SPECAV_NATIVE_VARIANT=<name> considers that variant alone (e.g. `avx2`, to compare).
 
 Must not know: GGUF files, modules, which kernel is fastest.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
-import shutil
-import sys
 import threading
-import time
-from pathlib import Path
 
 import torch
 
-log = logging.getLogger(__name__)
+from specav.models.native import probe as _probe
+from specav.models.native.build import build_directory
+from specav.models.native.variants import BY_NAME, VARIANTS, Variant
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("kquant.cpp", "layers.cpp"))
-HEADERS = (Path(__file__).with_name("avx2.h"),)  # included by the sources: part of the build key
-# -fopenmp: at::parallel_for is inlined from ATen's headers and is OpenMP; without the flag it
-# runs on one thread. The library then needs libgomp.so.1, which torch has already loaded.
-_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-std=c++17", "-fopenmp"]
-_REQUIRED_CPU_FLAGS = ("avx2", "fma", "f16c")
-_STALE_LOCK_S = 600  # a build takes about 30 s
+log = logging.getLogger(__name__)
 _lock = threading.Lock()
-_state: dict[str, str | bool] = {}
+_chosen: dict[str, object] = {}  # the process's loaded library: "variant" (Variant | None), "reason"
+_loaded: dict[str, object] = {}  # variant name -> its op namespace, or the reason it is unusable
+
+
+class VariantUnavailable(RuntimeError):
+    """A named variant cannot run here; the message says why."""
 
 
 def available() -> bool:
-    """True once the kernels are built and loaded (building them now if needed)."""
-    with _lock:
-        if "ok" not in _state:
-            _state["ok"], _state["reason"] = _load()
-    return bool(_state["ok"])
+    """True once a variant is chosen and loaded (probing and building now if needed)."""
+    return _choose() is not None
 
 
 def unavailable_reason() -> str:
-    return "" if available() else str(_state["reason"])
+    _choose()
+    return "" if _chosen["variant"] is not None else str(_chosen["reason"])
 
 
-def build_directory() -> Path:
-    """Where the library is built: $SPECAV_NATIVE_DIR, else ~/.cache/specav/native, in a folder
-    keyed by the source, flags and torch version (so an edit rebuilds). Not under $SPECAV_CACHE:
-    tests point that at temporary folders, and the build should happen once per machine."""
-    root = Path(os.environ.get("SPECAV_NATIVE_DIR", Path.home() / ".cache" / "specav" / "native"))
-    key = hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES + HEADERS) + " ".join(_FLAGS).encode()
-                         + torch.__version__.encode())
-    return root / key.hexdigest()[:16]
+def selected() -> Variant | None:
+    """The variant this process runs, or None."""
+    return _choose()
 
 
-def _load() -> tuple[bool, str]:
-    missing = [f for f in _REQUIRED_CPU_FLAGS if f not in _cpu_flags()]
-    if missing:
-        return False, f"this CPU lacks {', '.join(missing)}"
-    if hasattr(torch.ops.specav_kquant, "q4k_matmul") and hasattr(torch.ops.specav_layers, "attention"):
-        return True, ""
-    from torch.utils import cpp_extension
-
-    if shutil.which("ninja") is None:  # the ninja wheel's binary sits beside this interpreter
-        os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
-    directory = build_directory()
-    directory.mkdir(parents=True, exist_ok=True)
-    # torch's build lock: a build killed midway leaves it behind, and later builds would wait on it forever.
-    lock = directory / "lock"
-    if lock.exists() and time.time() - lock.stat().st_mtime > _STALE_LOCK_S:
-        lock.unlink(missing_ok=True)
-    try:
-        cpp_extension.load(name="specav_native", sources=[str(s) for s in SOURCES], extra_cflags=_FLAGS,
-                           extra_ldflags=["-fopenmp"], build_directory=str(directory), is_python_module=False,
-                           verbose=False)
-    except (RuntimeError, OSError, ImportError, FileNotFoundError) as err:  # no compiler / ninja, build error
-        log.warning("native kernels unavailable (%s); using torch's kernels", err)
-        return False, f"building the native kernels failed: {str(err).strip().splitlines()[-1] if str(err) else err!r}"
-    return True, ""
+def ops():
+    """The chosen variant's op namespace (`torch.ops.specav_<variant>`)."""
+    variant = _choose()
+    if variant is None:
+        raise VariantUnavailable(f"no native kernels: {_chosen['reason']}")
+    return getattr(torch.ops, variant.namespace)
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    capability = torch.backends.cpu.get_cpu_capability()  # not Linux: AVX2 implies FMA/F16C in practice
-    return set(_REQUIRED_CPU_FLAGS) if capability in ("AVX2", "AVX512") else set()
+def build_key() -> str:
+    """Names the chosen variant's build (the kernel profile keys its timings by it)."""
+    variant = _choose()
+    return build_directory(variant).name if variant is not None else "none"
 
 
-if os.environ.get("SPECAV_NO_NATIVE"):  # for comparisons: run torch's kernels only
-    _state.update(ok=False, reason="SPECAV_NO_NATIVE is set")
+def variant_ops(name: str, flags: set[str] | None = None):
+    """Load variant `name` (probing it first) and return its op namespace; VariantUnavailable if it
+    cannot run here. flags: the CPU flags to judge by (default this CPU's)."""
+    with _lock:
+        if name not in _loaded:
+            _loaded[name] = _load(BY_NAME[name], _probe.cpu_flags() if flags is None else flags)
+    loaded = _loaded[name]
+    if isinstance(loaded, str):
+        raise VariantUnavailable(f"native variant {name}: {loaded}")
+    return loaded
+
+
+def choose(flags: set[str], candidates: tuple[Variant, ...] = VARIANTS,
+           probe=_probe.probe) -> tuple[Variant | None, dict[str, str]]:
+    """The first candidate whose probe passes, and why each earlier one did not (pure: nothing loaded)."""
+    reasons = {}
+    for variant in candidates:
+        result = probe(variant, flags)
+        if result.ok:
+            return variant, reasons
+        reasons[variant.name] = result.reason
+    return None, reasons
+
+
+def _choose() -> Variant | None:
+    with _lock:
+        if "variant" not in _chosen:
+            _chosen["variant"], _chosen["reason"] = _choose_now()
+    return _chosen["variant"]  # type: ignore[return-value]
+
+
+def _choose_now() -> tuple[Variant | None, str]:
+    if os.environ.get("SPECAV_NO_NATIVE"):
+        return None, "SPECAV_NO_NATIVE is set"
+    forced = os.environ.get("SPECAV_NATIVE_VARIANT")
+    if forced and forced not in BY_NAME:
+        return None, f"SPECAV_NATIVE_VARIANT={forced!r} names no variant; known: {', '.join(BY_NAME)}"
+    candidates = (BY_NAME[forced],) if forced else VARIANTS
+    variant, reasons = choose(_probe.cpu_flags(), candidates)
+    why = "; ".join(f"{name}: {reason}" for name, reason in reasons.items())
+    if variant is None:
+        log.warning("native kernels unavailable (%s); using torch's kernels, which are slower", why)
+        return None, why or "no variant"
+    loaded = _load(variant, _probe.cpu_flags())
+    if isinstance(loaded, str):
+        log.warning("native kernels unavailable (%s); using torch's kernels, which are slower", loaded)
+        return None, loaded
+    _loaded[variant.name] = loaded
+    if reasons:
+        log.info("native kernels: %s (%s)", variant.name, why)
+    return variant, ""
+
+
+def _load(variant: Variant, flags: set[str]):
+    """The variant's op namespace once its probe passed and its library is loaded, else the reason."""
+    if variant.name in _loaded:
+        return _loaded[variant.name]
+    result = _probe.probe(variant, flags)
+    if not result.ok:
+        return result.reason
+    namespace = getattr(torch.ops, variant.namespace)
+    if not hasattr(namespace, "kq_matmul"):
+        try:
+            torch.ops.load_library(str(result.library))
+        except OSError as err:
+            return f"its library could not be loaded ({err})"
+    return namespace

@@ -17,13 +17,7 @@
 // exp differ), tested against them in tests/test_native_layers.py. Every row's result
 // depends only on that row (and its request's cache): batch-invariant.
 
-#include <ATen/ATen.h>
-#include <ATen/Parallel.h>
-#include <torch/library.h>
-
-#include <immintrin.h>
-
-#include "avx2.h"
+#include "common.h"
 
 #include <algorithm>
 #include <cmath>
@@ -262,7 +256,7 @@ at::Tensor attention(const at::Tensor& q, at::TensorList keys, at::TensorList va
 
 }  // namespace
 
-TORCH_LIBRARY(specav_layers, m) {
+SPECAV_FRAGMENT(m) {
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.def("add_rms_norm_(Tensor(a!) h, Tensor y, Tensor w, float eps) -> Tensor");
   m.def("silu_mul(Tensor g, Tensor u) -> Tensor");
@@ -270,7 +264,7 @@ TORCH_LIBRARY(specav_layers, m) {
   m.def("attention(Tensor q, Tensor[] keys, Tensor[] values, int[] lengths, float scale) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(specav_layers, CPU, m) {
+SPECAV_IMPL(m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("add_rms_norm_", &add_rms_norm_);
   m.impl("silu_mul", &silu_mul);

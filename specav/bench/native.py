@@ -1,0 +1,221 @@
+"""Benchmark: the native kernels' variants, the packed forward's verify cost, the drafter against the
+target, and the one-row forward's slowdown with a busy process on one core, all in one run.
+
+    python -m specav.bench.native [--threads 2] [--repeats 7] [--skip kernels,forward,drafter,contention]
+
+Printed (every figure a ratio of times measured in this run, in turns, on this machine; each
+section ends with how many cores other processes kept busy meanwhile, bench/load.py):
+
+- kernels: each native variant this machine runs (native/variants.py), on one real tensor of every
+  linear shape of the packaged target, one thread, cache-cold, best of --repeats: ms at 1, 5 and 16
+  rows, and 5 and 16 rows relative to 1;
+- forward: the packaged target in `auto` (the variant the probe chose), 1, 5 and 16 new tokens on a
+  128-token context with logits for every new token (verification), --threads threads, median of
+  --repeats, and the 5- and 16-row forwards relative to the one-row forward (goals: <= 1.3x and
+  <= 2x);
+- drafter: the packaged drafter's one-row forward in `auto` (every layer native) relative to the
+  target's (goal <= 0.25x), and the share of its output head (151,936 rows);
+- contention: the target's one-row forward with a busy process (`while True: pass`) pinned to the
+  last core, relative to the quiet --threads-thread forward: with fixed thread counts and with the
+  model's own policy (threads.ThreadChoice); the busy process is stopped before the program ends
+  (goal: slowdown <= 2x).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from typing import Iterator
+
+import torch
+
+from specav.bench.load import foreign_load
+from specav.models import load_checkpoint, native, packaged
+from specav.models.native.variants import VARIANTS
+from specav.models.quant_gguf import read_header
+from specav.models.quant_kernels import KQuantWeight
+from specav.models.threads import ThreadChoice
+
+KERNEL_ROWS = (1, 5, 16)
+FORWARD_ROWS = (1, 5, 16)
+CONTEXT = 128
+_FLUSH = torch.zeros(64 << 18)  # 64 MiB, past the last-level cache
+
+
+def _cpu() -> str:
+    with open("/proc/cpuinfo") as f:
+        return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "unknown")
+
+
+def kernel_table(repeats: int) -> None:
+    header = read_header(packaged.assembled_gguf(packaged.TARGET))
+    shapes = {}
+    for info in header.tensors.values():
+        if len(info.dims) == 2 and info.name != "token_embd.weight" and info.qtype.name in ("Q4_K", "Q6_K"):
+            shapes.setdefault(f"{info.qtype.name} {info.dims[1]}x{info.dims[0]}", info.name)
+    usable = {}
+    for v in VARIANTS:
+        try:
+            usable[v.name] = native.variant_ops(v.name)
+        except native.VariantUnavailable as err:
+            print(f"  {v.name}: not run ({err})")
+    print(f"\nkernels: ms per call at {KERNEL_ROWS} rows (one thread, cache-cold, best of {repeats}); "
+          f"5 and 16 rows relative to 1")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with foreign_load() as load:
+            for key, name in sorted(shapes.items()):
+                print(f"  {key:<18} {_kernel_row(header.weight(name), usable, repeats)}", flush=True)
+    finally:
+        torch.set_num_threads(threads)
+    print(f"  ({load})")
+
+
+def _kernel_row(weight, usable: dict, repeats: int) -> str:
+    packed = {v: KQuantWeight.pack(weight, ops=ops) for v, ops in usable.items()}
+    xs = [torch.randn(r, weight.shape[1], generator=torch.Generator().manual_seed(r)) for r in KERNEL_ROWS]
+    best = {v: [float("inf")] * len(xs) for v in packed}
+    for _ in range(repeats):
+        for i, x in enumerate(xs):
+            for v, p in packed.items():
+                _FLUSH.add_(1.0)
+                start = time.perf_counter()
+                p.matmul(x)
+                best[v][i] = min(best[v][i], time.perf_counter() - start)
+    return "  ".join(f"{v} {'/'.join(f'{t * 1e3:.2f}' for t in ts)} ({ts[1] / ts[0]:.2f}x, {ts[2] / ts[0]:.2f}x)"
+                     for v, ts in best.items())
+
+
+def time_forward(model, cache, new: list[int]) -> float:
+    start = time.perf_counter()
+    model.forward([new], [cache], [len(new)])
+    seconds = time.perf_counter() - start
+    cache.rollback(len(new))
+    return seconds
+
+
+def forwards(models: dict, rows: tuple[int, ...], repeats: int) -> dict[str, dict[int, float]]:
+    """Median seconds per forward of each model at each row count, measured in turns."""
+    gen = torch.Generator().manual_seed(0)
+    vocab = next(iter(models.values())).vocab_size
+    context = torch.randint(0, vocab, (CONTEXT,), generator=gen).tolist()
+    caches = {name: m.new_cache(CONTEXT + max(rows)) for name, m in models.items()}
+    for name, m in models.items():
+        m.forward([context], [caches[name]], [0])
+    times = {name: {n: [] for n in rows} for name in models}
+    for n in rows:
+        new = torch.randint(0, vocab, (n,), generator=gen).tolist()
+        for _ in range(repeats + 1):
+            for name, m in models.items():
+                times[name][n].append(time_forward(m, caches[name], new))
+    return {name: {n: statistics.median(t[1:]) for n, t in per.items()} for name, per in times.items()}
+
+
+@contextmanager
+def busy_core(core: int) -> Iterator[subprocess.Popen]:
+    """A process spinning on `core` (taskset) for the duration; always stopped."""
+    proc = subprocess.Popen(["taskset", "-c", str(core), sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.5)
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def contention(target, repeats: int, threads: int) -> None:
+    """One-row forwards with fixed thread counts (no policy) and with a fresh ThreadChoice, quiet and
+    then with a busy core (the policy carries what it learnt quietly into the busy part, as a server
+    would when another process starts)."""
+    core = os.cpu_count() - 1
+    policy = ThreadChoice()
+    settings = {f"{n} threads": n for n in sorted({threads, 1}, reverse=True)} | {"ThreadChoice": None}
+    rounds = 4 * repeats  # the policy explores every 32nd forward: enough forwards to include some
+    gen = torch.Generator().manual_seed(0)
+    cache = target.new_cache(CONTEXT + 1)
+    target.forward([torch.randint(0, target.vocab_size, (CONTEXT,), generator=gen).tolist()], [cache], [0])
+    print(f"\ncontention: target one-row forward, ms over {rounds} forwards (fixed counts: median; ThreadChoice: "
+          f"mean, its exploring forwards included), quiet, then with a busy process pinned to core {core}")
+
+    def run(setting: int | None) -> float:
+        target.threads = policy if setting is None else None
+        torch.set_num_threads(threads if setting is None else setting)
+        time_forward(target, cache, [7])  # warm-up
+        per = [time_forward(target, cache, [7]) for _ in range(rounds)]
+        return statistics.mean(per) if setting is None else statistics.median(per)
+
+    saved = torch.get_num_threads()
+    try:
+        with foreign_load() as quiet_load:
+            quiet = {name: run(n) for name, n in settings.items()}
+        with busy_core(core) as busy_proc, foreign_load() as busy_load:
+            busy = {name: run(n) for name, n in settings.items()}
+    finally:
+        target.threads = None
+        torch.set_num_threads(saved)
+    base = quiet[f"{threads} threads"]
+    for name in settings:
+        print(f"  {name:<14} quiet {quiet[name] * 1e3:6.1f}, busy core {busy[name] * 1e3:6.1f}  ->  "
+              f"{busy[name] / base:.2f}x the quiet {threads}-thread forward")
+    print(f"  (quiet part: {quiet_load}; busy part: {busy_load.cores:.2f} cores, the busy process's included)")
+    del busy_proc
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m specav.bench.native", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--skip", default="", help="comma-separated sections to leave out")
+    args = parser.parse_args(argv)
+    skip = set(filter(None, args.skip.split(",")))
+    torch.set_num_threads(args.threads)
+    variant = native.selected()
+    print(f"{_cpu()}, {os.cpu_count()} cores, torch {torch.__version__}, {args.threads} threads; native variant "
+          f"{variant.name if variant else 'none'} ({native.ops().isa() if variant else native.unavailable_reason()})")
+    if "kernels" not in skip:
+        kernel_table(args.repeats)
+    if skip >= {"forward", "drafter", "contention"}:
+        return
+    target = load_checkpoint("default", "auto", role="target").model
+    models = {"target": target}
+    if "drafter" not in skip:
+        models["drafter"] = load_checkpoint("default", "auto", role="drafter").model
+    for m in models.values():  # fixed threads for the forward and drafter tables (contention has its own)
+        m.threads = None
+    if "forward" not in skip or "drafter" not in skip:
+        with foreign_load() as load:
+            t = forwards(models, FORWARD_ROWS if "forward" not in skip else (1,), args.repeats)
+        if "forward" not in skip:
+            one = t["target"][1]
+            print(f"\nforward: packaged target in auto, {CONTEXT}-token context, ms (median of {args.repeats})")
+            print("  " + "  ".join(f"{n} rows {t['target'][n] * 1e3:.1f}" for n in FORWARD_ROWS)
+                  + "  ->  " + "  ".join(f"{n} rows {t['target'][n] / one:.2f}x" for n in FORWARD_ROWS[1:]))
+        if "drafter" in models:
+            head = models["drafter"].lm_head
+            x = torch.randn(1, models["drafter"].config.hidden_size)
+            head_s = statistics.median(_timed(lambda: head(x)) for _ in range(args.repeats))
+            d = t["drafter"][1]
+            print(f"\ndrafter: one-row forward {d * 1e3:.1f} ms = {d / t['target'][1]:.2f}x the target's "
+                  f"{t['target'][1] * 1e3:.1f} ms; its output head alone {head_s * 1e3:.1f} ms ({head_s / d:.0%} of "
+                  f"it; without it {(d - head_s) / t['target'][1]:.2f}x)")
+        print(f"  ({load})")
+    if "contention" not in skip:
+        del models
+        contention(target, args.repeats, args.threads)
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,61 @@
+// Helpers shared by the native kernels (kquant.cpp, quantize.cpp, layers.cpp), for every variant.
+//
+// Each variant (native/variants.py) compiles the same sources with its own instruction-set flags
+// and its own op namespace, -DSPECAV_NS=<namespace>, so several variants can be loaded into one
+// process side by side (the tests run each against the float64 emulation).
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#ifndef SPECAV_NS
+#error "build with -DSPECAV_NS=<the op namespace of this variant>"
+#endif
+// One more level of macros, so SPECAV_NS is expanded before torch's macros paste it.
+#define SPECAV_FRAGMENT_(ns, m) TORCH_LIBRARY_FRAGMENT(ns, m)
+#define SPECAV_FRAGMENT(m) SPECAV_FRAGMENT_(SPECAV_NS, m)
+#define SPECAV_IMPL_(ns, m) TORCH_LIBRARY_IMPL(ns, CPU, m)
+#define SPECAV_IMPL(m) SPECAV_IMPL_(SPECAV_NS, m)
+
+namespace specav_native {
+
+// The sum of a vector's 8 floats.
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+inline float f16_to_f32(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+
+// Runs fn(begin, end) over [0, n) in chunks of `chunk` items that torch's intra-op threads take one
+// at a time (dynamic schedule): a thread slowed by another process on its core takes fewer chunks
+// instead of holding the others at the end of a static split. fn must not throw.
+template <typename Fn>
+void parallel_chunks(int64_t n, int64_t chunk, const Fn& fn) {
+  if (n <= 0) return;
+  chunk = std::max<int64_t>(chunk, 1);
+  const int64_t chunks = (n + chunk - 1) / chunk;
+  const int threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), chunks));
+  if (threads <= 1 || omp_in_parallel()) {
+    for (int64_t c = 0; c < chunks; ++c) fn(c * chunk, std::min(n, (c + 1) * chunk));
+    return;
+  }
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+  for (int64_t c = 0; c < chunks; ++c) fn(c * chunk, std::min(n, (c + 1) * chunk));
+}
+
+}  // namespace specav_native

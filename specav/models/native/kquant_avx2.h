@@ -1,0 +1,148 @@
+// Row kernels of kquant.cpp for AVX2 (with FMA and F16C): the floor every supported CPU has.
+// Included by kquant.cpp inside its translation unit; 256-bit vectors, up to 4 activation rows
+// per pass over a weight row (16 vector registers: two per row, the rest for the weights).
+#pragma once
+
+namespace {
+
+constexpr int kTile = 4;
+// Each weight row passes over every tile, K in one pass: measured faster here than the AVX-512
+// variant's order and segments (speed at 5 and 16 rows, docs/quantized.md).
+constexpr bool kTileOuter = false, kSegmentK = false;
+constexpr const char* kIsa = "avx2 fma f16c";
+
+// Word i of each 128-bit lane of v, repeated across that lane (i: 0..7, a compile-time constant
+// once the loops are unrolled). `lo_word`/`hi_word` pick per lane: low lane word lo, high lane hi.
+inline __m256i broadcast_words(__m256i v, int lo_word, int hi_word) {
+  const __m128i lo = _mm_set1_epi16(static_cast<short>((2 * lo_word) | ((2 * lo_word + 1) << 8)));
+  const __m128i hi = _mm_set1_epi16(static_cast<short>((2 * hi_word) | ((2 * hi_word + 1) << 8)));
+  return _mm256_shuffle_epi8(v, _mm256_setr_m128i(lo, hi));
+}
+
+// Q4_K's 12 bytes of 6-bit scales and mins -> sc (u[0..1]) and m (u[2..3]) as 8 bytes each
+// (llama.cpp's unpacking; the gguf package's get_scale_min is the reference in the tests).
+inline void unpack_q4k_scales(const uint8_t* packed, uint32_t u[4]) {
+  constexpr uint32_t kmask1 = 0x3f3f3f3f, kmask2 = 0x0f0f0f0f, kmask3 = 0x03030303;
+  std::memcpy(u, packed, 12);
+  u[3] = ((u[2] >> 4) & kmask2) | (((u[1] >> 6) & kmask3) << 4);
+  const uint32_t mins_low = u[1] & kmask1;
+  u[1] = (u[2] & kmask2) | (((u[0] >> 6) & kmask3) << 4);
+  u[2] = mins_low;
+  u[0] &= kmask1;
+}
+
+// After blocks b0 .. b1 - 1 of a weight row: its R partial sums kept in state (8 floats a row) for
+// the next segment of blocks, or, after the last block, out[r * ldo] = their sum + bias.
+template <int R>
+inline void finish(const __m256 (&acc)[R], bool last, float* state, float* out, int64_t ldo, float bias) {
+  for (int r = 0; r < R; ++r) {
+    if (last) out[r * ldo] = hsum(acc[r]) + bias;
+    else _mm256_storeu_ps(state + 8 * r, acc[r]);
+  }
+}
+
+// One Q4_K weight row (nb blocks of 144 bytes: d, dmin, 12 bytes of scales, 128 of nibbles)
+// against activation rows r0 .. r0 + R - 1; writes out[r * ldo] = dot + bias.
+template <int R>
+void q4k_tile(const uint8_t* w, const ActView& a, int64_t r0, int64_t b0, int64_t b1, float* state, float* out, int64_t ldo,
+            float bias) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = b0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(state + 8 * r);
+  for (int64_t b = b0; b < b1; ++b) {
+    const uint8_t* blk = w + b * 144;
+    const float d = f16_to_f32(blk), dmin = f16_to_f32(blk + 2);
+    uint32_t u[4];
+    unpack_q4k_scales(blk + 4, u);
+    __m256i isum[R];
+    for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
+    // The 8 sub-block scales as int16, in both 128-bit lanes.
+    const __m256i scales = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(u))));
+    for (int c = 0; c < 4; ++c) {  // 32 bytes = 64 elements: low nibbles sub-block 2c, high 2c + 1
+      const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16 + c * 32));
+      const __m256i lo = _mm256_and_si256(bytes, low4);
+      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4);
+      const __m256i s_lo = broadcast_words(scales, 2 * c, 2 * c);
+      const __m256i s_hi = broadcast_words(scales, 2 * c + 1, 2 * c + 1);
+      for (int r = 0; r < R; ++r) {
+        const int8_t* xr = a.xq + (r0 + r) * a.kp + b * 256 + c * 64;
+        const __m256i p_lo = _mm256_maddubs_epi16(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr)));
+        const __m256i p_hi = _mm256_maddubs_epi16(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + 32)));
+        isum[r] = _mm256_add_epi32(isum[r], _mm256_add_epi32(_mm256_madd_epi16(p_lo, s_lo), _mm256_madd_epi16(p_hi, s_hi)));
+      }
+    }
+    // The min term: dmin * m_j against dx * (sum of sub-block j's 32 codes), 8 lanes.
+    const __m256 mf = _mm256_mul_ps(_mm256_set1_ps(dmin),
+        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(u + 2)))));
+    for (int r = 0; r < R; ++r) {
+      const float xd = a.dx[(r0 + r) * a.nb + b];
+      // The block's sum, d dx isum - (dmin m) . (dx xs), then one add: the sum carried over the
+      // blocks waits for one addition per block, not for two fused multiply-adds.
+      const __m256 mins = _mm256_mul_ps(mf, _mm256_loadu_ps(a.xs32 + (r0 + r) * (a.kp / 32) + b * 8));
+      acc[r] = _mm256_add_ps(acc[r], _mm256_fmsub_ps(_mm256_set1_ps(d * xd), _mm256_cvtepi32_ps(isum[r]), mins));
+    }
+  }
+  finish(acc, b1 == a.nb, state, out, ldo, bias);
+}
+
+// One Q6_K weight row (nb blocks of 210 bytes: ql 128, qh 64, 16 int8 scales, d).
+template <int R>
+void q6k_tile(const uint8_t* w, const ActView& a, int64_t r0, int64_t b0, int64_t b1, float* state, float* out, int64_t ldo,
+            float bias) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  const __m256i two = _mm256_set1_epi8(0x03);
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = b0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(state + 8 * r);
+  for (int64_t b = b0; b < b1; ++b) {
+    const uint8_t* ql = w + b * 210;
+    const uint8_t* qh = ql + 128;
+    const float d = f16_to_f32(ql + 208);
+    __m256i isum[R];
+    for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
+    // The 16 scales as int16: scales 0-7 in both lanes of halves[0], 8-15 in both lanes of halves[1].
+    const __m256i all = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ql + 192)));
+    const __m256i halves[2] = {_mm256_permute2x128_si256(all, all, 0x00), _mm256_permute2x128_si256(all, all, 0x11)};
+    for (int half = 0; half < 2; ++half) {  // 128 elements: ql 64 bytes, qh 32 bytes, 8 scales
+      const uint8_t* l = ql + half * 64;
+      const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(l));
+      const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(l + 32));
+      const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh + half * 32));
+      // Elements 0-31, 32-63, 64-95, 96-127 of this half; the 2 high bits come from h's bit pairs.
+      const __m256i q[4] = {
+          _mm256_or_si256(_mm256_and_si256(l0, low4), _mm256_slli_epi16(_mm256_and_si256(h, two), 4)),
+          _mm256_or_si256(_mm256_and_si256(l1, low4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2), two), 4)),
+          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low4),
+                          _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 4), two), 4)),
+          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low4),
+                          _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 6), two), 4)),
+      };
+      for (int part = 0; part < 4; ++part) {  // elements part*32 .. +31: scale 2 part (first 16), 2 part + 1
+        const __m256i scale = broadcast_words(halves[half], 2 * part, 2 * part + 1);
+        for (int r = 0; r < R; ++r) {
+          const int64_t first = b * 256 + half * 128 + part * 32;
+          const __m256i p = _mm256_maddubs_epi16(q[part], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.xq + (r0 + r) * a.kp + first)));
+          isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(p, scale));
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {  // the -32 of every code: 32 * sum_j sc_j * (sum of sub-block j's codes)
+      const __m256i s16 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.xs16 + (r0 + r) * (a.kp / 16) + b * 16));
+      const float scale = d * a.dx[(r0 + r) * a.nb + b];
+      acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(scale), _mm256_cvtepi32_ps(isum[r]), acc[r]);
+      acc[r] = _mm256_fnmadd_ps(_mm256_set1_ps(32.0f * scale), _mm256_cvtepi32_ps(_mm256_madd_epi16(s16, all)), acc[r]);
+    }
+  }
+  finish(acc, b1 == a.nb, state, out, ldo, bias);
+}
+
+// Calls fn(std::integral_constant<int, R>{}, r0) for every tile of up to kTile rows of `rows`.
+template <int R = kTile, typename Fn>
+void for_tiles(int64_t rows, const Fn& fn) {
+  int64_t r0 = 0;
+  for (; r0 + R <= rows; r0 += R) fn(std::integral_constant<int, R>{}, r0);
+  if constexpr (R > 1) {
+    if (rows - r0 > 0) for_tiles<R - 1>(rows - r0, [&](auto r, int64_t r1) { fn(r, r0 + r1); });
+  }
+}
+
+}  // namespace

@@ -1,0 +1,116 @@
+"""The probe's child: build one variant, load it, check every op on small inputs; print one JSON line.
+
+    python -m specav.models.native.selftest <variant> [<native root>]
+
+Run by probe.py in a separate process, so that a variant whose instructions this machine faults
+on (SIGILL as soon as the library loads, or in a kernel) kills only this process. Exit status 0
+and {"ok": true} when every op agrees with its reference; {"ok": false, "stage": "build" |
+"selftest", "reason": ...} otherwise.
+
+The checks are the tests' in miniature (tests/test_quant.py, tests/test_native_layers.py):
+the k-quant matmul against a float64 product of gguf's dequantised weights with the kernel's own
+int8 activations, multi-row outputs equal to one-row outputs bit for bit, the Q4_K quantiser
+through gguf's dequantiser, and the layer ops against torch.
+
+Must not know: which variant is chosen, or where its result is kept (probe.py).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from specav.models.native.build import NativeBuildError, build
+from specav.models.native.variants import BY_NAME, Variant
+
+Q4_K, Q6_K = 12, 14  # ggml type codes
+
+
+def random_blocks(qtype: int, n: int, k: int, gen: np.random.Generator) -> np.ndarray:
+    """n rows of random Q4_K / Q6_K blocks (every code and scale random; d, dmin small)."""
+    size, d_at = {Q4_K: (144, (0, 2)), Q6_K: (210, (208,))}[qtype]
+    blocks = gen.integers(0, 256, (n, k // 256, size), dtype=np.uint8)
+    for at in d_at:
+        blocks[..., at:at + 2] = gen.uniform(1e-3, 4e-3, (n, k // 256)).astype(np.float16)[..., None].view(np.uint8)
+    return blocks.reshape(n, -1)
+
+
+def check_matmul(ops, gen: np.random.Generator) -> None:
+    import gguf
+
+    x = torch.from_numpy(gen.standard_normal((9, 768)).astype(np.float32))  # [T, K]
+    x[0, :256] *= 40
+    xq, dx = ops.quantize_activations(x)
+    x_used = (xq.double().view(9, 3, 256) * dx.double()[..., None]).view(9, 768)
+    weights = [random_blocks(q, 24, 768, gen) for q in (Q4_K, Q6_K)]
+    ys = ops.kq_matmul(x, [torch.from_numpy(w) for w in weights], [Q4_K, Q6_K], [None, None])
+    for qtype, w, y in zip((Q4_K, Q6_K), weights, ys):
+        dense = torch.from_numpy(gguf.quants.dequantize(w, gguf.GGMLQuantizationType(qtype)).astype(np.float64))
+        expected = x_used @ dense.t()
+        error = ((y.double() - expected).norm() / expected.norm()).item()
+        if not error < 1e-5:
+            raise AssertionError(f"kq_matmul type {qtype}: relative error {error:.2e} against float64")
+        alone = torch.cat([ops.kq_matmul(x[i:i + 1].contiguous(), [torch.from_numpy(w)], [qtype], [None])[0]
+                           for i in range(9)])
+        if not torch.equal(alone, y):
+            raise AssertionError(f"kq_matmul type {qtype}: a row's result depends on the other rows")
+
+
+def check_quantizer(ops, gen: np.random.Generator) -> None:
+    import gguf
+
+    w = torch.from_numpy(gen.standard_normal((8, 512)).astype(np.float32))
+    back = gguf.quants.dequantize(ops.quantize_q4_k(w).numpy(), gguf.GGMLQuantizationType.Q4_K)
+    error = float(np.linalg.norm(back - w.numpy()) / np.linalg.norm(w.numpy()))
+    if not error < 0.12:  # 4 bits: ~0.09 on Gaussian weights; a wrong layout gives ~1
+        raise AssertionError(f"quantize_q4_k: relative error {error:.3f}")
+
+
+def check_layers(ops, gen: np.random.Generator) -> None:
+    import torch.nn.functional as F
+
+    x = torch.from_numpy(gen.standard_normal((3, 40)).astype(np.float32))
+    w = torch.from_numpy(gen.standard_normal(40).astype(np.float32))
+    torch.testing.assert_close(ops.rms_norm(x, w, 1e-6), x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w)
+    torch.testing.assert_close(ops.silu_mul(x, w.expand(3, 40).contiguous()), F.silu(x) * w)
+    q = torch.from_numpy(gen.standard_normal((3, 4, 16)).astype(np.float32))  # [T, H, D], one request
+    kv = [torch.from_numpy(gen.standard_normal((5, 2, 16)).astype(np.float32)) for _ in range(2)]  # [P + n, Hkv, D]
+    out = ops.attention(q, [kv[0]], [kv[1]], [3], 0.25)
+    mask = torch.arange(5)[None, :] <= torch.arange(2, 5)[:, None]  # query j sees 0 .. 2 + j
+    reference = F.scaled_dot_product_attention(q.transpose(0, 1), kv[0].transpose(0, 1), kv[1].transpose(0, 1),
+                                               attn_mask=mask, scale=0.25, enable_gqa=True).transpose(0, 1)
+    torch.testing.assert_close(out, reference, rtol=1e-4, atol=1e-5)
+
+
+def run(variant: Variant, root: Path | None) -> dict:
+    try:
+        library = build(variant, root)
+    except NativeBuildError as err:
+        return {"ok": False, "stage": "build", "reason": str(err)}
+    if not hasattr(torch.ops, variant.namespace) or not hasattr(getattr(torch.ops, variant.namespace), "kq_matmul"):
+        torch.ops.load_library(str(library))  # built earlier: load it here (the build loads what it builds)
+    ops = getattr(torch.ops, variant.namespace)
+    gen = np.random.default_rng(0)
+    try:
+        for check in (check_matmul, check_quantizer, check_layers):
+            check(ops, gen)
+    except (AssertionError, RuntimeError) as err:
+        return {"ok": False, "stage": "selftest", "reason": f"its self-test failed: {str(err).splitlines()[0]}"}
+    return {"ok": True, "isa": ops.isa()}
+
+
+def main(argv: list[str]) -> int:
+    variant = BY_NAME[argv[0]]
+    root = Path(argv[1]) if len(argv) > 1 and argv[1] else None
+    torch.set_num_threads(1)
+    report = run(variant, root)
+    print(json.dumps(report), flush=True)
+    return 0 if report["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

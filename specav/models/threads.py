@@ -1,0 +1,96 @@
+"""How many intra-op threads a forward runs with: the count that runs that forward fastest, now.
+
+Owns: `ThreadChoice`, a per-model policy the packed forward enters around each forward (a scope:
+torch's thread count is set for the forward and restored after it; nothing is changed at import).
+
+Why: on a machine whose cores are shared (a server beside other work), a forward split over every
+core waits at the end of each of its ~150 parallel regions for a thread that another process has
+descheduled: measured on 2 cores with one busy process pinned to one of them, the one-row forward
+of the packaged target took 5.3x its quiet time with 2 threads and 1.4x with 1 thread
+(docs/quantized.md). Which count wins depends on the load, which changes while a server runs, so
+it is measured, not guessed: forwards are grouped by row count (1, 2-8, 9+ rows, which differ in
+how well they split), each group runs the count with the lowest recent mean time (an exponential
+average over its forwards), and every `explore_every`-th forward of a group runs another count,
+so a count that became faster (the other process stopped) is found again: an exploring
+forward's time replaces that count's stale mean. The first forwards of a group try each count.
+
+The numbers do not depend on the thread count: every native kernel computes each output on one
+thread (quant_kernels.py, layer_ops.py), so this changes speed only. It is used for models on the
+native kernels only (quant.py), whose rounding is tested to be independent of the split.
+
+Must not know: what the forward computes.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+
+_GROUPS = (1, 8)  # row counts up to 1, up to 8, more: three groups
+
+
+@dataclass(slots=True)
+class _Group:
+    mean_s: dict[int, float] = field(default_factory=dict)  # thread count -> recent mean seconds per forward
+    calls: int = 0
+    exploring: int | None = None  # the count an exploring forward runs, until it is recorded
+
+
+class ThreadChoice:
+    """Per row-count group, the thread count with the lowest recent forward time (see module doc)."""
+
+    def __init__(self, explore_every: int = 32, decay: float = 0.7) -> None:
+        if explore_every < 2:
+            raise ValueError(f"explore_every must be >= 2, got {explore_every}")
+        if not 0.0 < decay < 1.0:
+            raise ValueError(f"decay must be in (0, 1), got {decay}")
+        self.explore_every = explore_every
+        self.decay = decay  # weight of the old mean in each update
+        self._groups = [_Group() for _ in range(len(_GROUPS) + 1)]
+
+    @staticmethod
+    def candidates(available: int) -> tuple[int, ...]:
+        """The counts tried when `available` threads are allowed (torch's setting): all, half, one."""
+        return tuple(sorted({available, max(1, available // 2), 1}, reverse=True))
+
+    def choose(self, rows: int, available: int) -> int:
+        """The thread count the next forward of `rows` rows runs with, of at most `available`."""
+        group = self._groups[sum(rows > g for g in _GROUPS)]
+        candidates = self.candidates(available)
+        untried = [n for n in candidates if n not in group.mean_s]
+        if untried:
+            return untried[0]
+        ranked = sorted(candidates, key=group.mean_s.get)
+        if len(ranked) > 1 and group.calls % self.explore_every == self.explore_every - 1:
+            group.exploring = ranked[1]  # now and then the next best, whose mean may be stale
+            return ranked[1]
+        return ranked[0]
+
+    def record(self, rows: int, threads: int, seconds: float) -> None:
+        group = self._groups[sum(rows > g for g in _GROUPS)]
+        group.calls += 1
+        old = group.mean_s.get(threads)
+        if old is None or group.exploring == threads:  # a stale mean is replaced, not averaged
+            group.mean_s[threads] = seconds
+        else:
+            group.mean_s[threads] = self.decay * old + (1 - self.decay) * seconds
+        group.exploring = None
+
+    @contextmanager
+    def scope(self, rows: int) -> Iterator[int]:
+        """Runs the body with the chosen thread count (restored after) and records its time."""
+        saved = torch.get_num_threads()
+        threads = self.choose(rows, saved)
+        if threads != saved:
+            torch.set_num_threads(threads)
+        start = time.perf_counter()
+        try:
+            yield threads
+        finally:
+            self.record(rows, threads, time.perf_counter() - start)
+            if threads != saved:
+                torch.set_num_threads(saved)

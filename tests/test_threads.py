@@ -1,0 +1,84 @@
+"""The forward's thread-count policy: it follows the measured times, explores, and never changes the numbers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specav.models.threads import ThreadChoice
+
+
+def drive(policy: ThreadChoice, seconds_for, calls: int, rows: int = 1, available: int = 2) -> list[int]:
+    """Run `calls` forwards of `rows` rows whose time is seconds_for(threads, call); the counts used."""
+    used = []
+    for call in range(calls):
+        threads = policy.choose(rows, available)
+        policy.record(rows, threads, seconds_for(threads, call))
+        used.append(threads)
+    return used
+
+
+def test_tries_each_count_then_keeps_the_faster_and_explores_now_and_then():
+    policy = ThreadChoice(explore_every=8)
+    used = drive(policy, lambda n, call: {2: 0.036, 1: 0.052}[n], 64)
+    assert used[:2] == [2, 1]  # each count once first
+    assert [i for i, n in enumerate(used) if n == 1] == [1] + list(range(7, 64, 8))  # then one exploring forward in 8
+
+
+def test_moves_to_one_thread_when_another_process_takes_a_core_and_back_when_it_stops():
+    policy = ThreadChoice(explore_every=8)
+    busy = range(40, 120)  # calls during which one core is taken: 2 threads 5x slower, 1 thread as before
+
+    def seconds(n, call):
+        return {2: 0.19, 1: 0.051}[n] if call in busy else {2: 0.036, 1: 0.052}[n]
+
+    used = drive(policy, seconds, 200)
+    assert used[30:40].count(2) >= 8  # quiet: mostly 2
+    assert used[45:120].count(1) >= 0.8 * 75  # contended: moved to 1 within a few forwards
+    assert used[140:200].count(2) >= 0.8 * 60  # quiet again: found 2 at an exploring forward
+
+
+def test_row_count_groups_learn_apart():
+    policy = ThreadChoice(explore_every=1000)
+    drive(policy, lambda n, call: {2: 1.0, 1: 2.0}[n], 4, rows=1)
+    drive(policy, lambda n, call: {2: 2.0, 1: 1.0}[n], 4, rows=16)
+    assert policy.choose(1, 2) == 2 and policy.choose(16, 2) == 1
+
+
+def test_scope_sets_and_restores_torch_threads():
+    saved = torch.get_num_threads()
+    policy = ThreadChoice()
+    try:
+        torch.set_num_threads(2)
+        for _ in range(3):
+            with policy.scope(rows=1) as n:
+                assert torch.get_num_threads() == n
+            assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(saved)
+
+
+def test_bad_settings_are_named():
+    with pytest.raises(ValueError, match="explore_every"):
+        ThreadChoice(explore_every=1)
+    with pytest.raises(ValueError, match="decay"):
+        ThreadChoice(decay=1.0)
+
+
+def test_the_numbers_do_not_depend_on_the_thread_count(tmp_path):
+    """A quantized model on the native kernels: logits bit for bit the same with 1 and 2 threads."""
+    from specav.models.quant import load_quantized
+    from tests.test_quant import write_tiny_gguf
+
+    model = load_quantized(write_tiny_gguf(tmp_path / "tiny.gguf"), "auto", None, role="drafter")
+    model.threads = None
+    saved = torch.get_num_threads()
+    logits = {}
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            logits[n] = model.forward([list(range(2, 40)), [5, 6, 7]], [model.new_cache(), model.new_cache()],
+                                      [38, 3]).logits
+    finally:
+        torch.set_num_threads(saved)
+    assert torch.equal(logits[1], logits[2])
