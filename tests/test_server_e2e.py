@@ -28,7 +28,8 @@ def test_chat_and_streamed_completion_on_the_default_pair(server):
     chat = c.chat.completions.create(model="default", messages=messages, max_tokens=16, temperature=0)
     streamed = "".join(ch.choices[0].delta.content or "" for ch in c.chat.completions.create(
         model="default", messages=messages, max_tokens=16, temperature=0, stream=True))
-    assert chat.usage.completion_tokens == 16 and chat.choices[0].finish_reason == "length"
+    finish, tokens = chat.choices[0].finish_reason, chat.usage.completion_tokens
+    assert (finish == "length" and tokens == 16) or (finish == "stop" and tokens <= 16)  # the answer may end sooner
     assert streamed == chat.choices[0].message.content
     assert "def" in chat.choices[0].message.content or "square" in chat.choices[0].message.content.lower()
     done = c.completions.create(model="default", prompt="def add(a, b):\n    return", max_tokens=8, temperature=0,

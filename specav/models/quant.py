@@ -65,11 +65,13 @@ _NORMS = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"
 class QuantizedLinear(nn.Module):
     """y = x W^T + b with W only in packed quantized form; the kernel is chosen by row count."""
 
-    def __init__(self, packed: dict[str, PackedWeight], plan: KernelPlan, bias: torch.Tensor | None) -> None:
+    def __init__(self, packed: dict[str, PackedWeight], plan: KernelPlan, bias: torch.Tensor | None,
+                 policy: Policy | None = None) -> None:
         super().__init__()
         self.out_features, self.in_features = next(iter(packed.values())).shape
         self.packed = packed  # kernel name -> packed weight (one per kernel in the plan)
         self.plan = plan
+        self.policy = policy  # what converted and planned it (a subset of its rows is built the same way)
         self._by_rows: dict[int, PackedWeight] = {}  # packed row count -> its packed weight (memo of plan)
         self.register_buffer("bias", bias)  # [N] float32 or None
 
@@ -77,7 +79,7 @@ class QuantizedLinear(nn.Module):
     def from_gguf(cls, weight: GGUFWeight, bias: torch.Tensor | None, policy: Policy) -> QuantizedLinear:
         weight = policy.convert(weight)
         plan = policy.plan(weight)
-        return cls({k: KERNELS[k].pack(weight) for k in plan.distinct}, plan, bias)
+        return cls({k: KERNELS[k].pack(weight) for k in plan.distinct}, plan, bias, policy)
 
     @property
     def nbytes(self) -> int:

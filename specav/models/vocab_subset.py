@@ -67,14 +67,18 @@ def _dense_rows(head: nn.Linear, token_ids: torch.Tensor, gguf_path: Path | None
     return rows.requires_grad_(False)
 
 
-class _SamePlan:
-    """A kernel policy that gives every weight the full head's plan (same kernels, same rounding)."""
+class _SameAsHead:
+    """A kernel policy that converts every weight as the full head's policy did and gives it the full
+    head's plan (same kernels, same rounding: a Q8_0 head requantised to Q4_K stays so row by row)."""
 
-    def __init__(self, plan: KernelPlan) -> None:
-        self._plan = plan
+    def __init__(self, head: QuantizedLinear) -> None:
+        self._head = head
+
+    def convert(self, weight: GGUFWeight) -> GGUFWeight:
+        return weight if self._head.policy is None else self._head.policy.convert(weight)
 
     def plan(self, weight: GGUFWeight) -> KernelPlan:
-        return self._plan
+        return self._head.plan
 
 
 def _quantized_rows(head: QuantizedLinear, token_ids: torch.Tensor, gguf_path: Path | None) -> nn.Module:
@@ -90,7 +94,7 @@ def _quantized_rows(head: QuantizedLinear, token_ids: torch.Tensor, gguf_path: P
     sub = GGUFWeight(name, full.qtype, (len(token_ids), full.shape[1]), full.blocks[token_ids.numpy()])
     del full
     bias = None if head.bias is None else head.bias[token_ids].clone()
-    return QuantizedLinear.from_gguf(sub, bias, _SamePlan(head.plan))
+    return QuantizedLinear.from_gguf(sub, bias, _SameAsHead(head))
 
 
 _ROW_BUILDERS: dict[type, Callable[[nn.Module, torch.Tensor, Path | None], nn.Module]] = {
