@@ -21,8 +21,14 @@ def drive(policy: ThreadChoice, seconds_for, calls: int, rows: int = 1, availabl
 def test_tries_each_count_then_keeps_the_faster_and_explores_now_and_then():
     policy = ThreadChoice(explore_every=8)
     used = drive(policy, lambda n, call: {2: 0.036, 1: 0.052}[n], 64)
-    assert used[:2] == [2, 1]  # each count once first
-    assert [i for i, n in enumerate(used) if n == 1] == [1] + list(range(7, 64, 8))  # then one exploring forward in 8
+    assert used[:4] == [2, 2, 1, 1]  # each count twice first
+    assert [i for i, n in enumerate(used) if n == 1] == [2, 3] + list(range(7, 64, 8))  # then one exploring forward in 8
+
+
+def test_a_cold_first_forward_does_not_decide():
+    policy = ThreadChoice(explore_every=1000)
+    used = drive(policy, lambda n, call: 0.2 if call == 0 else {2: 0.036, 1: 0.052}[n], 12)
+    assert used[4:] == [2] * 8  # the 2-thread count's cold first forward (0.2 s) is not its mean
 
 
 def test_moves_to_one_thread_when_another_process_takes_a_core_and_back_when_it_stops():

@@ -12,7 +12,9 @@ it is measured, not guessed: forwards are grouped by row count (1, 2-8, 9+ rows,
 how well they split), each group runs the count with the lowest recent mean time (an exponential
 average over its forwards), and every `explore_every`-th forward of a group runs another count,
 so a count that became faster (the other process stopped) is found again: an exploring
-forward's time replaces that count's stale mean. The first forwards of a group try each count.
+forward's time replaces that count's stale mean. The first forwards of a group try each count
+twice, and the second time starts its mean (a first forward at a new row count runs cold: taken
+as the mean, it kept 16-row forwards on one thread at 1.7x the two-thread time).
 
 The numbers do not depend on the thread count: every native kernel computes each output on one
 thread (quant_kernels.py, layer_ops.py), so this changes speed only. It is used for models on the
@@ -31,11 +33,13 @@ from typing import Iterator
 import torch
 
 _GROUPS = (1, 8)  # row counts up to 1, up to 8, more: three groups
+_WARMUP = 2  # forwards each count runs first; the last of them starts its mean (the first runs cold)
 
 
 @dataclass(slots=True)
 class _Group:
     mean_s: dict[int, float] = field(default_factory=dict)  # thread count -> recent mean seconds per forward
+    samples: dict[int, int] = field(default_factory=dict)  # thread count -> forwards recorded with it
     calls: int = 0
     exploring: int | None = None  # the count an exploring forward runs, until it is recorded
 
@@ -61,7 +65,7 @@ class ThreadChoice:
         """The thread count the next forward of `rows` rows runs with, of at most `available`."""
         group = self._groups[sum(rows > g for g in _GROUPS)]
         candidates = self.candidates(available)
-        untried = [n for n in candidates if n not in group.mean_s]
+        untried = [n for n in candidates if group.samples.get(n, 0) < _WARMUP]
         if untried:
             return untried[0]
         ranked = sorted(candidates, key=group.mean_s.get)
@@ -73,8 +77,9 @@ class ThreadChoice:
     def record(self, rows: int, threads: int, seconds: float) -> None:
         group = self._groups[sum(rows > g for g in _GROUPS)]
         group.calls += 1
+        group.samples[threads] = group.samples.get(threads, 0) + 1
         old = group.mean_s.get(threads)
-        if old is None or group.exploring == threads:  # a stale mean is replaced, not averaged
+        if group.samples[threads] <= _WARMUP or group.exploring == threads:  # a cold or stale mean is replaced
             group.mean_s[threads] = seconds
         else:
             group.mean_s[threads] = self.decay * old + (1 - self.decay) * seconds

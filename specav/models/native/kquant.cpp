@@ -189,7 +189,12 @@ std::vector<at::Tensor> kq_matmul(const at::Tensor& x, at::TensorList weights, a
   const int64_t tile_rows = std::min<int64_t>(rows, kTile);
   const int64_t seg = kSegmentK && tile_rows * a.kp > 16384 ? std::max<int64_t>(1, 16384 / (tile_rows * kBlock)) : nb;
   const int64_t* qt = qtypes.data();
-  parallel_chunks(static_cast<int64_t>(chunks.size()), 1, [&](int64_t begin, int64_t end) {
+  // Each thread takes one contiguous run of chunks (a long sequential stream of weights for the
+  // hardware prefetcher): at one row, chunks taken one at a time from a dynamic schedule left two
+  // threads at 1.1x one thread's speed on the AVX2/AVX-512 AMD EPYC, contiguous runs at 1.5x.
+  const int64_t n_chunks = static_cast<int64_t>(chunks.size());
+  const int64_t per_thread = (n_chunks + at::get_num_threads() - 1) / at::get_num_threads();
+  parallel_chunks(n_chunks, per_thread, [&](int64_t begin, int64_t end) {
     std::vector<float> state(seg < nb ? max_chunk * rows * 8 : 0);
     for (int64_t c = begin; c < end; ++c) {
       const auto [i, first_feature, last_feature] = chunks[c];
