@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from specav.config import DTYPES, EngineConfig, ModelConfig, SamplingParams, SpeculativeConfig
+from specav.config import DTYPES, PACKAGED_SPECULATIVE, EngineConfig, ModelConfig, SamplingParams, SpeculativeConfig
 from specav.prompts import encode_prompt
 from specav.server.cli import add_serve_parser, cmd_serve
 
@@ -104,7 +104,7 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="auto (default: fastest kernels on GGUF weights; bf16 on HF directories), bf16 (the "
                         "reference), fp32, or q4 (GGUF weights on torch's kernels)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    p.add_argument("--speculative-config", default=json.dumps(dataclasses.asdict(SpeculativeConfig())),
+    p.add_argument("--speculative-config", default=json.dumps(dataclasses.asdict(PACKAGED_SPECULATIVE)),
                    help="vLLM-style JSON: model, method, num_speculative_tokens, draft_sample_method, "
                         "enable_adaptive_verification ('model': 'default' = packaged Qwen2.5-Coder-0.5B)")
     p.add_argument("--no-speculation", action="store_true", help="target-only decoding")
@@ -357,6 +357,11 @@ BENCHMARKS = {
     "adaptive": "specav.bench.adaptive",
     "serve": "specav.bench.serve",
     "step_overhead": "specav.bench.step_overhead",
+    "native": "specav.bench.native",
+    "vocab_subset": "specav.bench.vocab_subset",
+    "estimator_fit": "specav.bench.estimator_fit",
+    "llama_cpp": "specav.bench.llama_cpp",
+    "ab": "specav.bench.ab",
 }
 
 

@@ -21,14 +21,14 @@ import itertools
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence, Union
 
-from specav.config import EngineConfig, ModelConfig, SamplingParams, SpeculativeConfig
+from specav.config import PACKAGED_SPECULATIVE, EngineConfig, ModelConfig, SamplingParams, SpeculativeConfig
 from specav.prompts import encode_prompt
 from specav.request import Request, RequestStats, TokenLogprob
 
 PromptType = Union[str, Mapping[str, Any]]  # text, {"prompt": text} or {"prompt_token_ids": [...]}
 Conversation = Sequence[Mapping[str, Any]]  # [{"role": ..., "content": ...}, ...]
 
-DEFAULT_SPECULATIVE = SpeculativeConfig()  # the packaged drafter, as `specav generate` uses it
+DEFAULT_SPECULATIVE = PACKAGED_SPECULATIVE  # the packaged drafter with AV, as `specav generate` uses it
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,8 +60,9 @@ class LLM:
                  dtype: str = "auto", max_num_seqs: int = EngineConfig().max_batch_size,
                  threads: int | None = None) -> None:
         """model: "default" (the packaged target), a local Hugging Face directory or a .gguf file.
-        speculative_config: vLLM-style dict or SpeculativeConfig (default: the packaged drafter,
-        K = 4); None decodes with the target alone."""
+        speculative_config: vLLM-style dict or SpeculativeConfig (default: the packaged drafter with
+        adaptive verification, K = 8 at most: config.PACKAGED_SPECULATIVE); None decodes with the
+        target alone."""
         from specav.engine.engine import Engine
 
         if isinstance(speculative_config, Mapping):

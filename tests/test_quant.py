@@ -26,7 +26,7 @@ from torch import nn
 from specav.models import CheckpointError, load_checkpoint, native
 from specav.models.native.variants import VARIANTS
 from specav.models.quant import FusedLinear, QuantizedEmbedding, QuantizedLinear, load_quantized
-from specav.models.quant_choice import FixedRule, KernelPlan, MeasuredChoice, machine_key, plan_from_times
+from specav.models.quant_choice import DRAFTER_NATIVE_ROWS, FixedRule, KernelPlan, MeasuredChoice, machine_key, plan_from_times
 from specav.models.quant_formats import GGUFWeight, dequantize, int4_groups, requantize_q4_k
 from specav.models.quant_gguf import read_header
 from specav.models.quant_kernels import KERNELS, KQuantWeight, kquant_matmuls
@@ -449,18 +449,25 @@ def test_whole_model_matches_transformers_dequantised_forward(tmp_path, monkeypa
 
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
 def test_drafter_runs_every_layer_natively(tmp_path, arch):
-    """A drafter in auto: its Q5_0 / Q8_0 layers requantised to Q4_K, every linear on kquant at every
-    row count, q/k/v and gate/up fused; logits still close to the file's own weights'."""
+    """A drafter in auto: its Q5_0 / Q8_0 layers requantised to Q4_K, every linear on kquant up to
+    DRAFTER_NATIVE_ROWS rows (the head at every row count), int8dyn beyond; q/k/v and gate/up fused;
+    logits still close to the file's own weights' whichever kernels run."""
     path = write_tiny_gguf(tmp_path / "tiny.gguf", arch)
     ids = torch.randint(2, VOCAB, (12,), generator=torch.Generator().manual_seed(0)).tolist()
     reference = transformers_logits(path, ids)  # [12, V]
     model = load_quantized(path, "auto", None, role="drafter")
-    linears = [m for m in model.hf_model.modules() if isinstance(m, QuantizedLinear)]
-    assert len(linears) == 7 * LAYERS + 1 and all(set(m.packed) == {"kquant"} for m in linears)
-    assert all(m.packed["kquant"].qtype in (T.Q4_K, T.Q6_K) for m in linears)
-    logits = model.forward([ids], [model.new_cache()], [12]).logits
-    error = ((logits - reference).norm() / reference.norm()).item()
-    assert error < WHOLE_MODEL_TOLERANCE["drafter"], f"{arch} drafter: relative logit error {error:.4f}"
+    head = model.hf_model.lm_head
+    layers = [m for m in model.hf_model.modules() if isinstance(m, QuantizedLinear) and m is not head]
+    assert len(layers) == 7 * LAYERS and set(head.packed) == {"kquant"}
+    assert all(set(m.packed) == {"kquant", "int8dyn"} for m in layers)
+    assert all(m.plan.kernel_for(n) == "kquant" for m in layers for n in range(1, DRAFTER_NATIVE_ROWS + 1))
+    assert all(m.plan.kernel_for(DRAFTER_NATIVE_ROWS + 1) == "int8dyn" for m in layers)
+    assert all(m.packed["kquant"].qtype in (T.Q4_K, T.Q6_K) for m in layers + [head])
+    for step in (1, 12):  # one token at a time (kquant), then the whole sequence at once (int8dyn)
+        cache = model.new_cache()
+        logits = torch.cat([model.forward([ids[i:i + step]], [cache], [step]).logits for i in range(0, 12, step)])
+        error = ((logits - reference).norm() / reference.norm()).item()
+        assert error < WHOLE_MODEL_TOLERANCE["drafter"], f"{arch} drafter, {step} at a time: relative logit error {error:.4f}"
 
 
 def test_fused_projections_equal_separate_ones(tmp_path):

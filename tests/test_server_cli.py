@@ -56,7 +56,7 @@ def test_a_state_file_of_another_k_is_refused_before_models_load(tmp_path, capsy
     estimator_state.save(path, Fake(), estimator_state.identity("default", "default", 2))
     assert main(["serve", "--estimator-state", str(path)]) == 2
     err = capsys.readouterr().err
-    assert "was learned for target 'default', drafter 'default', K = 2" in err and "K = 4" in err
+    assert "was learned for target 'default', drafter 'default', K = 2" in err and "K = 8" in err  # the packaged default
 
 
 def test_state_is_saved_atomically_and_refused_when_it_belongs_to_another_pair(tmp_path):

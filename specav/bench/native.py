@@ -109,12 +109,13 @@ def forwards(models: dict, rows: tuple[int, ...], repeats: int) -> dict[str, dic
     for name, m in models.items():
         m.forward([context], [caches[name]], [0])
     times = {name: {n: [] for n in rows} for name in models}
+    warmup = ThreadChoice.warmup_forwards(torch.get_num_threads())  # the models' policy tries each count first
     for n in rows:
         new = torch.randint(0, vocab, (n,), generator=gen).tolist()
-        for _ in range(repeats + 1):
+        for _ in range(repeats + warmup):
             for name, m in models.items():
                 times[name][n].append(time_forward(m, caches[name], new))
-    return {name: {n: statistics.median(t[1:]) for n, t in per.items()} for name, per in times.items()}
+    return {name: {n: statistics.median(t[warmup:]) for n, t in per.items()} for name, per in times.items()}
 
 
 @contextmanager

@@ -58,6 +58,7 @@ from specav.models import Checkpoint, load_checkpoint, packaged
 from specav.models.loader import KERNEL_PROFILE
 from specav.models.quant import quantized_nbytes
 from specav.models.quant_choice import ROW_BUCKETS, MeasuredChoice, plan_from_times
+from specav.models.threads import ThreadChoice
 
 ROWS = (1, 4, 5, 8, 16)
 CONTEXT = 128
@@ -178,13 +179,14 @@ def measure_forwards(models: dict, results: dict[str, Result], repeats: int) -> 
     caches = {name: model.new_cache(CONTEXT + max(ROWS)) for name, model in ours.items()}
     for name, model in ours.items():
         model.forward([context], [caches[name]], [0])
-    for n in ROWS:
+    warmup = ThreadChoice.warmup_forwards(torch.get_num_threads())  # models on the native kernels choose
+    for n in ROWS:                                                    # their thread count by trying each
         new = torch.randint(0, vocab, (n,), generator=gen).tolist()
-        for _ in range(repeats + 1):  # the first round warms up
+        for _ in range(repeats + warmup):
             for name, model in ours.items():
                 results[name].forward_s[n].append(time_forward(model, caches[name], new))
         for name in ours:
-            del results[name].forward_s[n][0]
+            del results[name].forward_s[n][:warmup]
 
 
 def measure_decoding(models: dict, results: dict[str, Result], prompts: list[list[int]], tokens: int) -> None:

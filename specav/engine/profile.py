@@ -26,6 +26,7 @@ import torch
 from specav.config import SamplingParams
 from specav.drafting.base import Drafter
 from specav.engine.target import TargetVerifier
+from specav.models.threads import ThreadChoice
 from specav.request import Request
 from specav.types import AcceptResult
 from specav.verification.cost_model import CostCurve, CostProfile
@@ -80,6 +81,11 @@ def measure_profile(verifier: TargetVerifier, drafter: Drafter | None, max_verif
         print(f"specav: profiling the draft and verify stages once for this machine ({total} shapes)",
               file=sys.stderr, flush=True)
     started = time.perf_counter()
+    warmup = ThreadChoice.warmup_forwards(torch.get_num_threads())  # a model's thread policy tries each
+    for t in sorted({1, min(5, verify_sizes[-1]), verify_sizes[-1]}):  # count first, per row-count group
+        _time_verify(verifier, t, SHORT_CONTEXT, vocab, gen, warmup)
+    for a in sorted({1, min(5, draft_sizes[-1]), draft_sizes[-1]}) if draft_sizes else ():
+        _time_draft(drafter, a, SHORT_CONTEXT, vocab, gen, warmup)
     verify = {t: _time_verify(verifier, t, SHORT_CONTEXT, vocab, gen) for t in verify_sizes}
     verify_long = _time_verify(verifier, 1, LONG_CONTEXT, vocab, gen)
     verify_curve = CostCurve.fit(verify, (verify_long - verify[1]) / (LONG_CONTEXT - SHORT_CONTEXT))
@@ -98,13 +104,14 @@ def _dummy_requests(n: int, context: int, vocab: int, gen: torch.Generator) -> l
                     request_id=f"profile-{i}") for i in range(n)]
 
 
-def _time_verify(verifier: TargetVerifier, tokens: int, context: int, vocab: int, gen: torch.Generator) -> float:
+def _time_verify(verifier: TargetVerifier, tokens: int, context: int, vocab: int, gen: torch.Generator,
+                 repeats: int = REPEATS) -> float:
     """Median seconds of verify over one request's pending token + tokens - 1 admitted slots."""
     request = _dummy_requests(1, context, vocab, gen)[0]
     slots = torch.randint(0, vocab, (tokens - 1,), generator=gen).tolist()
     try:
         times = []
-        for repeat in range(REPEATS + 1):  # the first call prefills the context
+        for repeat in range(repeats + 1):  # the first call prefills the context
             start = time.perf_counter()
             verifier.verify([request], [slots])
             if repeat:
@@ -115,12 +122,13 @@ def _time_verify(verifier: TargetVerifier, tokens: int, context: int, vocab: int
         verifier.release(request)
 
 
-def _time_draft(drafter: Drafter, rows: int, context: int, vocab: int, gen: torch.Generator) -> float:
+def _time_draft(drafter: Drafter, rows: int, context: int, vocab: int, gen: torch.Generator,
+                repeats: int = REPEATS) -> float:
     """Median seconds of one drafting slot of `rows` requests, one pending token each."""
     requests = _dummy_requests(rows, context, vocab, gen)
     try:
         times = []
-        for repeat in range(REPEATS + 1):  # the first call prefills the contexts
+        for repeat in range(repeats + 1):  # the first call prefills the contexts
             start = time.perf_counter()
             drafts = drafter.propose(requests, [1] * rows)
             if repeat:

@@ -76,9 +76,10 @@ class QuantizedLinear(nn.Module):
         self.register_buffer("bias", bias)  # [N] float32 or None
 
     @classmethod
-    def from_gguf(cls, weight: GGUFWeight, bias: torch.Tensor | None, policy: Policy) -> QuantizedLinear:
+    def from_gguf(cls, weight: GGUFWeight, bias: torch.Tensor | None, policy: Policy,
+                  head: bool = False) -> QuantizedLinear:
         weight = policy.convert(weight)
-        plan = policy.plan(weight)
+        plan = policy.plan(weight, head)
         return cls({k: KERNELS[k].pack(weight) for k in plan.distinct}, plan, bias, policy)
 
     @property
@@ -163,7 +164,7 @@ def load_quantized(path: Path, mode: str, profile_path: Path | None = None, role
     # The lm_head first: its packing transient (~3 copies of the largest matrix) then lands
     # while little else is resident, so it does not raise the peak above the final size.
     lm_head_name = "output.weight" if "output.weight" in header.tensors else "token_embd.weight"
-    lm_head = QuantizedLinear.from_gguf(header.weight(lm_head_name), None, policy)
+    lm_head = QuantizedLinear.from_gguf(header.weight(lm_head_name), None, policy, head=True)
     _return_freed_memory()
     for i, layer in enumerate(hf.model.layers):
         for gguf_name, module in _LINEARS.items():

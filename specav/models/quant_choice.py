@@ -78,7 +78,9 @@ class Policy(Protocol):
         """The weight as the plan's kernels take it (itself, unless the policy requantises)."""
         ...
 
-    def plan(self, weight: GGUFWeight) -> KernelPlan: ...
+    def plan(self, weight: GGUFWeight, head: bool = False) -> KernelPlan:
+        """head: the output head, whose rows per call are the logits rows (the layers': every token)."""
+        ...
 
 
 class FixedRule:
@@ -90,16 +92,22 @@ class FixedRule:
     def convert(self, weight: GGUFWeight) -> GGUFWeight:
         return weight
 
-    def plan(self, weight: GGUFWeight) -> KernelPlan:
+    def plan(self, weight: GGUFWeight, head: bool = False) -> KernelPlan:
         kernel = "int4" if Int4Weight.supports(weight.qtype) else "int8"
         return KernelPlan((1,), (kernel,))
 
 
+DRAFTER_NATIVE_ROWS = 8  # a drafter's layers run kquant up to this many rows, int8dyn beyond
+
+
 class NativeDrafter:
-    """`auto` for a drafter: every layer on the native kernel at every row count, its Q5_0 / Q8_0 (and
-    any other non-k-quant) weights requantised to Q4_K at load. Drafter precision never touches
-    losslessness (the rejection sampler uses whatever q the drafter produced); what it costs in
-    acceptance is measured in docs/quantized.md. Needs the native kernels (native.available())."""
+    """`auto` for a drafter: the native kernel for the head and for every layer up to
+    DRAFTER_NATIVE_ROWS rows (drafting: one row per drafting request), its Q5_0 / Q8_0 (and any
+    other non-k-quant) weights requantised to Q4_K at load; fbgemm's int8dyn for the layers beyond
+    (the prefill of a prompt, the catch-up of a request that resumes drafting: on kquant alone the
+    drafter's 393-token prefill at batch 8 took 0.87x the target's). Drafter precision never
+    touches losslessness (the rejection sampler uses whatever q the drafter produced); what it
+    costs in acceptance is measured in docs/quantized.md. Needs the native kernels."""
 
     def __init__(self, cache_path: Path | None = None) -> None:
         del cache_path  # nothing is measured: one kernel runs everything
@@ -109,8 +117,10 @@ class NativeDrafter:
             return weight  # runs as stored
         return requantize_q4_k(weight, native.ops().quantize_q4_k)
 
-    def plan(self, weight: GGUFWeight) -> KernelPlan:
-        return KernelPlan((1,), ("kquant",))
+    def plan(self, weight: GGUFWeight, head: bool = False) -> KernelPlan:
+        if head:
+            return KernelPlan((1,), ("kquant",))
+        return KernelPlan((1, DRAFTER_NATIVE_ROWS ** 2), ("kquant", "int8dyn"))  # nearest in log rows
 
 
 class MeasuredChoice:
@@ -125,7 +135,7 @@ class MeasuredChoice:
     def convert(self, weight: GGUFWeight) -> GGUFWeight:
         return weight
 
-    def plan(self, weight: GGUFWeight) -> KernelPlan:
+    def plan(self, weight: GGUFWeight, head: bool = False) -> KernelPlan:
         return plan_from_times(self.times(weight))
 
     def measure_missing(self, weights: dict[str, tuple[gguf.GGMLQuantizationType, Callable[[], GGUFWeight]]]) -> None:

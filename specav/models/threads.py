@@ -61,6 +61,11 @@ class ThreadChoice:
         """The counts tried when `available` threads are allowed (torch's setting): all, half, one."""
         return tuple(sorted({available, max(1, available // 2), 1}, reverse=True))
 
+    @classmethod
+    def warmup_forwards(cls, available: int) -> int:
+        """Forwards of one row-count group before it runs its best count (what a benchmark discards)."""
+        return _WARMUP * len(cls.candidates(available))
+
     def choose(self, rows: int, available: int) -> int:
         """The thread count the next forward of `rows` rows runs with, of at most `available`."""
         group = self._groups[sum(rows > g for g in _GROUPS)]

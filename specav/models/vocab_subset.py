@@ -77,7 +77,7 @@ class _SameAsHead:
     def convert(self, weight: GGUFWeight) -> GGUFWeight:
         return weight if self._head.policy is None else self._head.policy.convert(weight)
 
-    def plan(self, weight: GGUFWeight) -> KernelPlan:
+    def plan(self, weight: GGUFWeight, head: bool = False) -> KernelPlan:
         return self._head.plan
 
 
@@ -94,7 +94,7 @@ def _quantized_rows(head: QuantizedLinear, token_ids: torch.Tensor, gguf_path: P
     sub = GGUFWeight(name, full.qtype, (len(token_ids), full.shape[1]), full.blocks[token_ids.numpy()])
     del full
     bias = None if head.bias is None else head.bias[token_ids].clone()
-    return QuantizedLinear.from_gguf(sub, bias, _SameAsHead(head))
+    return QuantizedLinear.from_gguf(sub, bias, _SameAsHead(head), head=True)
 
 
 _ROW_BUILDERS: dict[type, Callable[[nn.Module, torch.Tensor, Path | None], nn.Module]] = {
