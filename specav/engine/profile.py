@@ -35,6 +35,7 @@ PROFILE_FILE = "cost-profile.json"
 VERIFY_TOKENS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 64)  # past 64 the curve extends linearly
 DRAFT_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 SHORT_CONTEXT, LONG_CONTEXT = 64, 576
+PROFILE_VERSION = 2  # bumped when what is measured, or how, changes (2: thread policy warmed first)
 REPEATS = 3
 _PARAMS = SamplingParams(temperature=0.7, top_k=20, top_p=0.8, max_tokens=1 << 20)  # the usual sampling
 
@@ -50,7 +51,7 @@ def profile_key(models: str, threads: int | None = None) -> str:
         pass
     threads = threads or torch.get_num_threads()
     return (f"{machine_key()} | cpu flags {hashlib.sha256(flags.encode()).hexdigest()[:12]} | {models} | "
-            f"{threads} threads")
+            f"{threads} threads | profile v{PROFILE_VERSION}")
 
 
 def load_or_profile(verifier: TargetVerifier, drafter: Drafter | None, key: str, cache_path: Path | None,
