@@ -189,12 +189,12 @@ class SpeculativeConfig:
         return _from_mapping(cls, text, "speculative_config")
 
 
-
 # What `specav generate | serve` and `specav.LLM` run when no speculative config is given: the
 # packaged drafter with adaptive verification, drafting up to 8 slots where drafts pay (measured
 # against static K and target-only in docs/adaptive.md). A config given explicitly takes the
 # dataclass defaults for the fields it leaves out (static K = 4 unless it turns AV on), as vLLM's.
 PACKAGED_SPECULATIVE = SpeculativeConfig(num_speculative_tokens=8, enable_adaptive_verification=True)
+
 
 @dataclass(frozen=True, slots=True)
 class EstimatorConfig:
