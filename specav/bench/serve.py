@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import signal
@@ -30,11 +31,11 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from specav.config import PACKAGED_SPECULATIVE
 from specav.evaluation.workloads import load_workload
 
 MODES = {
-    "adaptive": ["--speculative-config", json.dumps({"num_speculative_tokens": 4,
-                                                     "enable_adaptive_verification": True})],
+    "adaptive": ["--speculative-config", json.dumps(dataclasses.asdict(PACKAGED_SPECULATIVE))],  # the default
     "static": ["--speculative-config", json.dumps({"num_speculative_tokens": 4,
                                                    "enable_adaptive_verification": False})],
     "off": ["--no-speculation"],
@@ -212,7 +213,8 @@ def main() -> None:
             server.stop()
     print(f"\n{args.requests} chat requests per run (workloads {', '.join(WORKLOADS)}), max_tokens {args.max_tokens}, "
           f"temperature 0.7 / top-p 0.8 / top-k 20, seeded; server threads {args.threads}, "
-          f"max-num-seqs {args.max_num_seqs}; K = 4 where speculative\n")
+          f"max-num-seqs {args.max_num_seqs}; adaptive: the packaged default (AV, K <= "
+          f"{PACKAGED_SPECULATIVE.num_speculative_tokens}), static: K = 4\n")
     print_table(runs)
 
 
