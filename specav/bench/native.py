@@ -35,6 +35,7 @@ from typing import Iterator
 import torch
 
 from specav.bench.load import foreign_load
+from specav.bench.quantized import time_forward
 from specav.models import load_checkpoint, native, packaged
 from specav.models.native.variants import VARIANTS
 from specav.models.quant_gguf import read_header
@@ -90,14 +91,6 @@ def _kernel_row(weight, usable: dict, repeats: int) -> str:
                 best[v][i] = min(best[v][i], time.perf_counter() - start)
     return "  ".join(f"{v} {'/'.join(f'{t * 1e3:.2f}' for t in ts)} ({ts[1] / ts[0]:.2f}x, {ts[2] / ts[0]:.2f}x)"
                      for v, ts in best.items())
-
-
-def time_forward(model, cache, new: list[int]) -> float:
-    start = time.perf_counter()
-    model.forward([new], [cache], [len(new)])
-    seconds = time.perf_counter() - start
-    cache.rollback(len(new))
-    return seconds
 
 
 def forwards(models: dict, rows: tuple[int, ...], repeats: int) -> dict[str, dict[int, float]]:

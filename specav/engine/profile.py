@@ -14,18 +14,17 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Sequence
 
 import torch
 
 from specav.config import SamplingParams
 from specav.drafting.base import Drafter
 from specav.engine.target import TargetVerifier
+from specav.models.cache import atomic_write
 from specav.models.threads import ThreadChoice
 from specav.request import Request
 from specav.types import AcceptResult
@@ -172,9 +171,8 @@ def _write(path: Path, key: str, profile: CostProfile) -> None:
     data[key] = profile.to_dict()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
-        os.replace(tmp, path)
+        text = json.dumps(data, indent=1, sort_keys=True)
+        atomic_write(path, lambda f: f.write(text.encode()))
     except OSError as e:  # a read-only cache: the profile still serves this run
         print(f"specav: could not cache the cost profile in {path} ({e}); it will be measured again next time",
               file=sys.stderr)

@@ -25,7 +25,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import tempfile
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Mapping
@@ -33,6 +32,8 @@ from typing import Any, Mapping
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+from specav.models.cache import atomic_write
 
 FORMAT_VERSION = 1
 META_FILE = "meta.json"
@@ -142,20 +143,6 @@ def concat_batches(batches: list[SlotRecordBatch]) -> SlotRecordBatch:
     return SlotRecordBatch(**values)
 
 
-def _atomic_write_bytes(path: Path, write) -> None:
-    """Write via a temporary file in the same directory, fsync, then os.replace onto `path`."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            write(handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def _existing_parts(directory: Path) -> list[Path]:
     return sorted(p for p in directory.iterdir() if PART_PATTERN.match(p.name))
 
@@ -194,7 +181,7 @@ class SlotLogWriter:
         """(Re)write meta.json atomically: the caller's metadata plus format version and hidden_dim."""
         record = {"format_version": FORMAT_VERSION, "hidden_dim": self.hidden_dim, **dict(meta)}
         text = json.dumps(record, indent=2, sort_keys=True, default=str).encode()
-        _atomic_write_bytes(self.directory / META_FILE, lambda h: h.write(text))
+        atomic_write(self.directory / META_FILE, lambda h: h.write(text))
 
     def append(self, batch: SlotRecordBatch) -> None:
         """Buffer `batch`; flush a part once `flush_rows` rows are buffered."""
@@ -218,7 +205,7 @@ class SlotLogWriter:
             return
         table = concat_batches(self._buffer).to_arrow(self.hidden_dim)
         path = self._claim_part_path()
-        _atomic_write_bytes(path, lambda h: pq.write_table(table, h, **_PARQUET_OPTIONS))
+        atomic_write(path, lambda h: pq.write_table(table, h, **_PARQUET_OPTIONS))
         self.rows_written += table.num_rows
         self._buffer, self._buffered = [], 0
 

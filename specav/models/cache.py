@@ -3,8 +3,8 @@
 Owns: the root directory ($SPECAV_CACHE, else ~/.cache/specav); checking, before a long write
 starts, that a directory under it can be written and has room for what is about to go there;
 turning a failed write (read-only file system, no permission, disk full) into a `CacheError`
-that names the directory and the remedy; temporary names that carry their writer's process id,
-and removing the temporaries of writers that died (a SIGKILL runs no cleanup of its own).
+that names the directory and the remedy; atomic writes; temporary names that carry their writer's
+process id, and removing the temporaries of writers that died (a SIGKILL runs no cleanup of its own).
 
 Must not know: what the artefacts are or how they are built.
 """
@@ -16,6 +16,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import BinaryIO, Callable
 
 _REASONS = {
     errno.EROFS: "is on a read-only file system",
@@ -72,6 +73,20 @@ def write_error(e: OSError, directory: Path, what: str) -> CacheError:
 def temp_path(final: Path) -> Path:
     """Where a writer of `final` writes before its atomic rename: `.<name>.<pid>.tmp` beside it."""
     return final.with_name(f".{final.name}.{os.getpid()}.tmp")
+
+
+def atomic_write(path: Path, write: Callable[[BinaryIO], object]) -> None:
+    """Write `path` whole or not at all: write(file) into temp_path(path), flushed and fsynced, then
+    renamed onto `path`; the temporary is removed whatever fails (the error propagates)."""
+    tmp = temp_path(path)
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def remove_stale_temps(final: Path) -> list[Path]:

@@ -30,7 +30,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from specav.models.cache import cache_root, format_size, prepare_dir, remove_stale_temps, temp_path, write_error
+from specav.models.cache import (atomic_write, cache_root, format_size, prepare_dir, remove_stale_temps, temp_path,
+                                 write_error)
 from specav.progress import byte_bar, phase
 
 GGUF_MAGIC = b"GGUF"
@@ -165,9 +166,9 @@ def _read_manifest(directory: Path) -> dict | None:
 
 def _write_manifest(directory: Path, model: PackagedModel, target: Path, digest: str) -> None:
     stat = target.stat()
-    _atomic_write_text(directory / "manifest.json", json.dumps(
-        {"name": model.name, "version": model.version, "size": stat.st_size, "sha256": digest,
-         "stat": [stat.st_mtime_ns, stat.st_ctime_ns]}))
+    manifest = json.dumps({"name": model.name, "version": model.version, "size": stat.st_size, "sha256": digest,
+                           "stat": [stat.st_mtime_ns, stat.st_ctime_ns]})
+    atomic_write(directory / "manifest.json", lambda f: f.write(manifest.encode()))
 
 
 def _concatenate(chunks: list[Path], target: Path, total: int) -> str:
@@ -206,10 +207,3 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _atomic_write_text(path: Path, text: str) -> None:
-    tmp = temp_path(path)
-    try:
-        tmp.write_text(text)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import sys
 import time
 from dataclasses import dataclass
@@ -49,6 +48,7 @@ import torch
 from tqdm import tqdm
 
 from specav.models import native
+from specav.models.cache import atomic_write
 from specav.models.quant_formats import GGUFWeight, requantize_q4_k
 from specav.models.quant_kernels import KERNELS, Int4Weight, KQuantWeight, PackedWeight
 
@@ -264,12 +264,10 @@ def _read_profile(path: Path) -> dict:
 def _write_profile(path: Path, machine: str, times: dict) -> None:
     data = _read_profile(path)
     data[machine] = times
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
-        os.replace(tmp, path)
+        text = json.dumps(data, indent=1, sort_keys=True)
+        atomic_write(path, lambda f: f.write(text.encode()))
     except OSError as e:  # a read-only or full cache: the times still serve this run
-        tmp.unlink(missing_ok=True)
         print(f"specav: could not keep the kernel profile in {path} ({e.strerror or e}); set SPECAV_CACHE to a "
               f"writable directory, or the kernels are timed again next run", file=sys.stderr)

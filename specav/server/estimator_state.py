@@ -12,12 +12,13 @@ Must not know: HTTP, what the estimator's state holds.
 from __future__ import annotations
 
 import os
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Mapping
 
 import torch
+
+from specav.models.cache import atomic_write
 
 FORMAT = 1
 
@@ -40,16 +41,7 @@ def save(path: str | Path, scorer, ident: Mapping[str, Any], extra: Mapping[str,
     path.parent.mkdir(parents=True, exist_ok=True)
     payload = {"format": FORMAT, "identity": dict(ident), "saved_at": time.time(), "extra": dict(extra or {}),
                "state": scorer.state_dict()}
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(payload, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write(path, lambda f: torch.save(payload, f))
     _fsync_directory(path.parent)
     return path
 

@@ -21,9 +21,9 @@
 // so verifying K + 1 rows reads the weights once and decodes them once per tile (kquant_avx2.h,
 // kquant_avx512.h: the tile kernels of each instruction set). With AVX-512, long rows (K = 8960
 // at 5 rows and more) go in segments of K, so a tile's activations stay in the L1 cache.
-// The work is split over output features in chunks that threads take dynamically. Every output
-// depends only on its own row of x, computed by the same instructions whatever the tile: the
-// kernel is batch-invariant.
+// The work is split over output features in chunks, each thread one contiguous run of them.
+// Every output depends only on its own row of x, computed by the same instructions whatever the
+// tile: the kernel is batch-invariant.
 //
 // A weight's K may exceed x's width up to the next multiple of 256 (weights requantised from
 // 32-element formats, K = 896, padded with zero weights): x is quantised with zeros past its width.
@@ -39,6 +39,7 @@ namespace {
 using specav_native::f16_to_f32;
 using specav_native::hsum;
 using specav_native::parallel_chunks;
+using specav_native::parallel_runs;
 
 constexpr int64_t kBlock = 256;  // super-block: one activation scale, one d (and dmin)
 constexpr int64_t kQ4KBytes = 144, kQ6KBytes = 210;
@@ -60,6 +61,30 @@ struct ActView {
   const int16_t* xs16;
   int64_t nb, kp;
 };
+
+// Shared by every variant's row kernels (included below).
+
+// Q4_K's 12 bytes of 6-bit scales and mins -> sc (u[0..1]) and m (u[2..3]) as 8 bytes each
+// (llama.cpp's unpacking; the gguf package's get_scale_min is the reference in the tests).
+inline void unpack_q4k_scales(const uint8_t* packed, uint32_t u[4]) {
+  constexpr uint32_t kmask1 = 0x3f3f3f3f, kmask2 = 0x0f0f0f0f, kmask3 = 0x03030303;
+  std::memcpy(u, packed, 12);
+  u[3] = ((u[2] >> 4) & kmask2) | (((u[1] >> 6) & kmask3) << 4);
+  const uint32_t mins_low = u[1] & kmask1;
+  u[1] = (u[2] & kmask2) | (((u[0] >> 6) & kmask3) << 4);
+  u[2] = mins_low;
+  u[0] &= kmask1;
+}
+
+// After blocks b0 .. b1 - 1 of a weight row: its R partial sums kept in state (8 floats a row) for
+// the next segment of blocks, or, after the last block, out[r * ldo] = their sum + bias.
+template <int R>
+inline void finish(const __m256 (&acc)[R], bool last, float* state, float* out, int64_t ldo, float bias) {
+  for (int r = 0; r < R; ++r) {
+    if (last) out[r * ldo] = hsum(acc[r]) + bias;
+    else _mm256_storeu_ps(state + 8 * r, acc[r]);
+  }
+}
 
 }  // namespace
 
@@ -189,12 +214,7 @@ std::vector<at::Tensor> kq_matmul(const at::Tensor& x, at::TensorList weights, a
   const int64_t tile_rows = std::min<int64_t>(rows, kTile);
   const int64_t seg = kSegmentK && tile_rows * a.kp > 16384 ? std::max<int64_t>(1, 16384 / (tile_rows * kBlock)) : nb;
   const int64_t* qt = qtypes.data();
-  // Each thread takes one contiguous run of chunks (a long sequential stream of weights for the
-  // hardware prefetcher): at one row, chunks taken one at a time from a dynamic schedule left two
-  // threads at 1.1x one thread's speed on the AVX2/AVX-512 AMD EPYC, contiguous runs at 1.5x.
-  const int64_t n_chunks = static_cast<int64_t>(chunks.size());
-  const int64_t per_thread = (n_chunks + at::get_num_threads() - 1) / at::get_num_threads();
-  parallel_chunks(n_chunks, per_thread, [&](int64_t begin, int64_t end) {
+  parallel_runs(static_cast<int64_t>(chunks.size()), [&](int64_t begin, int64_t end) {
     std::vector<float> state(seg < nb ? max_chunk * rows * 8 : 0);
     for (int64_t c = begin; c < end; ++c) {
       const auto [i, first_feature, last_feature] = chunks[c];

@@ -23,18 +23,6 @@ constexpr int kTile = 8;
 constexpr bool kTileOuter = true, kSegmentK = true;
 constexpr const char* kIsa = "avx512vl avx512vnni (256-bit) avx2 fma f16c";
 
-// Q4_K's 12 bytes of 6-bit scales and mins -> sc (u[0..1]) and m (u[2..3]) as 8 bytes each
-// (llama.cpp's unpacking; the gguf package's get_scale_min is the reference in the tests).
-inline void unpack_q4k_scales(const uint8_t* packed, uint32_t u[4]) {
-  constexpr uint32_t kmask1 = 0x3f3f3f3f, kmask2 = 0x0f0f0f0f, kmask3 = 0x03030303;
-  std::memcpy(u, packed, 12);
-  u[3] = ((u[2] >> 4) & kmask2) | (((u[1] >> 6) & kmask3) << 4);
-  const uint32_t mins_low = u[1] & kmask1;
-  u[1] = (u[2] & kmask2) | (((u[0] >> 6) & kmask3) << 4);
-  u[2] = mins_low;
-  u[0] &= kmask1;
-}
-
 inline __m256i load256(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 
 // The scale words for packs(p, q) (4 int16 of p's lanes, then 4 of q's, per 128-bit lane): in
@@ -48,16 +36,6 @@ inline __m256i pack_scales(__m256i words, int a, int b, int a2, int b2) {
       pair(a2), pair(a2) + 1, pair(a2), pair(a2) + 1, pair(a2), pair(a2) + 1, pair(a2), pair(a2) + 1,
       pair(b2), pair(b2) + 1, pair(b2), pair(b2) + 1, pair(b2), pair(b2) + 1, pair(b2), pair(b2) + 1);
   return _mm256_shuffle_epi8(words, idx);
-}
-
-// After blocks b0 .. b1 - 1 of a weight row: its R partial sums kept in state (8 floats a row) for
-// the next segment of blocks, or, after the last block, out[r * ldo] = their sum + bias.
-template <int R>
-inline void finish(const __m256 (&acc)[R], bool last, float* state, float* out, int64_t ldo, float bias) {
-  for (int r = 0; r < R; ++r) {
-    if (last) out[r * ldo] = hsum(acc[r]) + bias;
-    else _mm256_storeu_ps(state + 8 * r, acc[r]);
-  }
 }
 
 // One Q4_K weight row (nb blocks of 144 bytes: d, dmin, 12 bytes of scales, 128 of nibbles)
