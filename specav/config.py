@@ -278,6 +278,10 @@ class AdaptiveConfig:
         to max_probe_interval. Defaults 8 and 64 (a probe costs a drafter forward over the skipped
         tokens plus a slot; at 64 steps a request that turned predictable waits at most ~2 s on
         this project's CPUs).
+    probe_share: the share of compute probes may spend. A probe makes the drafter catch up on
+        every token the request skipped, so probes are paid from a budget that grows by this
+        share of each step's measured time; a due probe waits until the budget covers it.
+        Default 0.02 (2%).
     rate_halflife: steps, half-life of the measured speed-up over target-only decoding that
         prices a second of compute (the planner's lambda). Default 16.
     cost_halflife: steps, half-life of the online correction of the profiled cost model (a
@@ -288,6 +292,7 @@ class AdaptiveConfig:
     exploration: float = 0.01
     probe_interval: int = 8
     max_probe_interval: int = 64
+    probe_share: float = 0.02
     rate_halflife: float = 16.0
     cost_halflife: float = 8.0
     seed: int = 0
@@ -297,6 +302,8 @@ class AdaptiveConfig:
         _check(isinstance(self.exploration, (int, float)) and math.isfinite(self.exploration)
                and self.exploration >= 0, w, "exploration", self.exploration,
                "a share of compute >= 0 (0.01 = 1%)")
+        _check(isinstance(self.probe_share, (int, float)) and math.isfinite(self.probe_share)
+               and self.probe_share >= 0, w, "probe_share", self.probe_share, "a share of compute >= 0 (0.02 = 2%)")
         _check(isinstance(self.probe_interval, int) and self.probe_interval >= 1, w, "probe_interval",
                self.probe_interval, "an integer >= 1")
         _check(isinstance(self.max_probe_interval, int) and self.max_probe_interval >= self.probe_interval, w,

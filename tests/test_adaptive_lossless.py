@@ -32,7 +32,7 @@ from specav.request import Request
 from specav.types import DraftBatch, Plan, Ragged
 from specav.verification import adaptive
 from specav.verification.adaptive import AdaptivePlanner
-from specav.verification.planner import DraftPlan, TargetShape
+from specav.verification.planner import DraftPlan, RequestShape
 from tests.test_lossless import V as ENGINE_V, empirical_joint, exact_joint, p_value
 from specav.verification.cost_model import CostCurve, CostModel, CostProfile
 from tests.test_planner import FROZEN, cost_model
@@ -46,12 +46,16 @@ PRICE = 5.0  # tokens per second: with cost_model()'s 0.1 s per verified token a
 class FixedPricePlanner(AdaptivePlanner):
     """The adaptive planner with its price held fixed, so a test's decisions do not drift with timing."""
 
-    def __init__(self, *args, price: float = PRICE, **kwargs) -> None:
+    def __init__(self, *args, price: float = PRICE, rate: float | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.fixed_price = price
+        self.fixed_rate = price if rate is None else rate
 
     def price(self, shapes) -> float:
         return self.fixed_price
+
+    def target_only_rate(self, shapes) -> float:  # the catch-up rule's price, held fixed too
+        return self.fixed_rate
 
 
 class ArgmaxBudgetPlanner(FixedPricePlanner):
@@ -87,9 +91,10 @@ class QSampledEstimator(OnlineAcceptanceEstimator):
 
 
 def make_planner(cls=FixedPricePlanner, scorer=None, exploration: float = 0.0, k: int = K, price: float = PRICE,
-                 cost=None, **config):
+                 cost=None, rate: float | None = None, **config):
     scorer = scorer or OnlineAcceptanceEstimator(k, EstimatorConfig())
-    return cls(k, scorer, cost or cost_model(), AdaptiveConfig(exploration=exploration, **config), price=price)
+    return cls(k, scorer, cost or cost_model(), AdaptiveConfig(exploration=exploration, **config), price=price,
+               rate=rate)
 
 
 def lossy_q_sampled_planner(cls=FixedPricePlanner, **kw):
@@ -114,7 +119,7 @@ def planner_policy(planner: AdaptivePlanner, early_stop: bool = True):
 
     def policy(q_rows, drafts) -> int:
         request = Request([0], SamplingParams(), request_id=f"enum-{next(counter)}")
-        plan = planner.draft_plan([request], [K], [TargetShape(1, 0)])  # a new request: it drafts slot 1
+        plan = planner.draft_plan([request], [K], [RequestShape(1, 0)])  # a new request: it drafts slot 1
         feats = [slot_features(q_rows[i], drafts[i]) for i in range(K)]
         depth = 1
         while early_stop and depth < K and bool(plan.stop_rule.keep_drafting(depth - 1, [0], feats[depth - 1])[0]):
@@ -219,15 +224,19 @@ def run_engine(pair, planner):
 RULES = {  # rule -> planner settings that make it fire often on the tiny pair
     "admission": dict(price=4.0),
     "early stop": dict(price=3.0),
-    "no draft": dict(price=4.5, probe_interval=1),
+    "no draft": dict(price=4.5, rate=2.0, probe_interval=1, probe_share=1.0),
     "exploration": dict(price=50.0, exploration=0.3),
-    "all": dict(price=4.5, exploration=0.1, probe_interval=1),
+    "all": dict(price=4.5, rate=2.0, exploration=0.1, probe_interval=1, probe_share=1.0),
 }
 
 
 @pytest.mark.parametrize("rule", RULES)
 def test_engine_output_matches_the_target_with_each_adaptive_rule(pair, rule):
-    engine, could_draft, p = run_engine(pair, only(make_planner(**RULES[rule]), rule))
+    planner, probes, entries = make_planner(**RULES[rule]), [], []
+    pay_probe, entry_pays = planner._pay_probe, planner._entry_pays
+    planner._pay_probe = lambda shape: probes.append(pay_probe(shape)) or probes[-1]
+    planner._entry_pays = lambda *args: entries.append(entry_pays(*args)) or entries[-1]
+    engine, could_draft, p = run_engine(pair, only(planner, rule))
     stats = engine.stats
     assert stats.accepted < stats.admitted  # rejections happen: the test is not trivial
     if rule in ("admission", "all"):
@@ -236,6 +245,8 @@ def test_engine_output_matches_the_target_with_each_adaptive_rule(pair, rule):
         assert stats.drafted < could_draft, "drafting never stopped early"
     if rule in ("no draft", "all"):
         assert stats.skipped > 0, "no request ever skipped drafting"
+        assert any(probes), "no request ever probed"
+        assert any(entries) and not all(entries), "the catch-up rule never decided both ways"
     if rule == "exploration":
         assert stats.admitted > 0 and stats.trimmed > 0  # explored blocks verified, the rest trimmed
     assert p > 1e-3

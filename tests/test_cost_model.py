@@ -110,3 +110,28 @@ def test_target_only_profile_predicts_no_drafting_time():
     model = CostModel(CostProfile(CostCurve.fit({1: 0.05}), None))
     assert model.draft_seconds(4) == 0.0
     assert model.predict([], 1, 0) == StageTimes(0.0, 0.05, 0.05)
+
+
+def test_a_cached_profile_serves_engines_it_covers_and_is_remeasured_for_larger_ones(tmp_path, monkeypatch):
+    from specav.engine import profile as profiling
+    from tests.tiny_models import make_engine, tiny_pair
+
+    target, drafter = tiny_pair()
+    engine = make_engine(target, drafter, k=2, max_batch_size=1)
+    measured = []
+    real = profiling.measure_profile
+
+    def measure(verifier, drafter, max_verify_tokens, max_draft_rows, *args, **kw):
+        measured.append((max_verify_tokens, max_draft_rows))
+        return real(verifier, drafter, max_verify_tokens, max_draft_rows, *args, **kw)
+
+    monkeypatch.setattr(profiling, "measure_profile", measure)
+    path = tmp_path / profiling.PROFILE_FILE
+    get = lambda tokens, rows: profiling.load_or_profile(engine.verifier, engine.drafter, "k", path, tokens,
+                                                          rows, progress=False)
+    small = get(3, 1)
+    assert small.verify.tokens[-1] == 3 and small.draft.tokens[-1] == 1
+    assert get(3, 1) == small and len(measured) == 1  # cached
+    large = get(24, 8)  # a larger engine: the small profile does not cover it
+    assert large.verify.tokens[-1] == 24 and large.draft.tokens[-1] == 8 and len(measured) == 2
+    assert get(3, 1) == large and len(measured) == 2  # the larger profile serves the small engine

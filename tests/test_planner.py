@@ -20,7 +20,7 @@ from specav.request import Request
 from specav.types import DraftBatch, Ragged, Scores
 from specav.verification.adaptive import AdaptivePlanner, select_prefix
 from specav.verification.cost_model import CostCurve, CostModel, CostProfile
-from specav.verification.planner import PLANNERS, DraftPlan, StaticPlanner, TargetShape, make_planner
+from specav.verification.planner import PLANNERS, DraftPlan, StaticPlanner, RequestShape, make_planner
 
 V = 6
 FROZEN = 1e12  # a cost-model half-life so long that nothing measured moves it
@@ -148,9 +148,10 @@ def requests(n: int) -> list[Request]:
 
 def test_stop_rule_continues_confident_requests_and_stops_doubtful_ones():
     p = planner(4)
+    p.population_feature = 6.0  # the traffic drafts confidently: both new requests draft slot 1
     batch = requests(2)
-    plan = p.draft_plan(batch, [4, 4], [TargetShape(1, 10)] * 2)
-    assert plan.num_slots == [4, 4]  # new requests probe: they draft slot 1
+    plan = p.draft_plan(batch, [4, 4], [RequestShape(1, 10)] * 2)
+    assert plan.num_slots == [4, 4]
     # features: request 0 very confident (logit 6 -> q_max ~ 0.998), request 1 doubtful (logit -2)
     keep = plan.stop_rule.keep_drafting(0, [0, 1], {"logit_q_max": torch.tensor([6.0, -2.0])})
     assert keep.tolist() == [True, False]
@@ -158,21 +159,64 @@ def test_stop_rule_continues_confident_requests_and_stops_doubtful_ones():
 
 def test_stop_rule_keeps_exploring_requests_whatever_their_features():
     p = planner(4, exploration=1e9)  # a budget so large that every request explores
-    plan = p.draft_plan(requests(2), [4, 4], [TargetShape(1, 10)] * 2)
+    p.population_feature = 0.0
+    plan = p.draft_plan(requests(2), [4, 4], [RequestShape(1, 10)] * 2)
     assert plan.explore.tolist() == [True, True]
     keep = plan.stop_rule.keep_drafting(0, [0, 1], {"logit_q_max": torch.tensor([-9.0, -9.0])})
     assert keep.tolist() == [True, True]
+
+
+def test_cold_start_drafts_one_request_the_cheapest_catch_up():
+    p = planner(4)
+    shapes = [RequestShape(1, 50, draft_pending=50), RequestShape(1, 10, draft_pending=10),
+              RequestShape(1, 30, draft_pending=30)]
+    assert p.draft_plan(requests(3), [4, 4, 4], shapes).num_slots == [0, 4, 0]
+    assert p.draft_plan(requests(3), [4, 0, 4], shapes).num_slots == [0, 0, 4]  # one at max_tokens
+    p.population_feature = 6.0  # once one has drafted, the population's features stand in for the rest
+    assert p.draft_plan(requests(3), [4, 4, 4], shapes).num_slots == [4, 4, 4]
+
+
+def test_a_due_probe_waits_for_its_budget_and_pays_its_catch_up():
+    p = planner(4, probe_interval=1)
+    request = requests(1)[0]
+    p.history[request.request_id] = type(p._history(request))(feature_sum=-600.0, feature_count=100.0,
+                                                               probing=True)
+    shape = RequestShape(1, 10, draft_pending=40)
+    price = p.cost.draft_seconds(40, 10) + p.cost.verify_seconds(2, 10) - p.cost.verify_seconds(1, 10)
+    p.probe_budget = 0.99 * price
+    assert p.draft_plan([request], [4], [shape]).num_slots == [0]  # due, not covered: it waits
+    assert p.history[request.request_id].probing
+    p.probe_budget = 1.5 * price
+    assert p.draft_plan([request], [4], [shape]).num_slots == [4]
+    assert p.probe_budget == pytest.approx(0.5 * price)
+
+
+def test_the_probe_budget_grows_by_its_share_of_measured_steps():
+    from specav.types import StageTimes
+
+    p = planner(4, probe_share=0.05)
+
+    class Record:  # what observe reads of a step record, for a step where nothing drafted
+        requests, times = [], StageTimes(0.0, 0.08, 0.1)
+        drafts = type("D", (), {"forwards": [], "num_drafted": torch.zeros(0, dtype=torch.int64)})()
+        verify_tokens, verify_context = 1, 10
+        scores = Scores.empty(0)
+
+    for _ in range(4):
+        p.observe(Record())
+    assert p.probe_budget == pytest.approx(4 * 0.05 * 0.1)
 
 
 def test_no_draft_then_probe_with_a_doubling_wait():
     """A request whose drafts do not pay decodes target-only, probes after probe_interval steps,
     and waits twice as long after each probe that does not lead to slot 2."""
     p = planner(4, probe_interval=2, max_probe_interval=8)
+    p.probe_budget = math.inf  # the budget is tested on its own above
     request = requests(1)[0]
     p.history[request.request_id] = h = type(p._history(request))(feature_sum=-600.0, feature_count=100.0, interval=2, probing=False)
     decided = []
     for step in range(30):
-        plan = p.draft_plan([request], [4], [TargetShape(1, 10)])
+        plan = p.draft_plan([request], [4], [RequestShape(1, 10)])
         decided.append(plan.num_slots[0])
         if plan.num_slots[0]:
             assert not plan.stop_rule.keep_drafting(0, [0], {"logit_q_max": torch.tensor([-6.0])}).item()
@@ -187,13 +231,13 @@ def test_a_request_with_confident_history_drafts_and_one_without_does_not():
     good, bad = requests(2)
     p.history[good.request_id] = type(p._history(good))(feature_sum=600.0, feature_count=100.0, probing=False)
     p.history[bad.request_id] = type(p._history(bad))(feature_sum=-600.0, feature_count=100.0, probing=False)
-    plan = p.draft_plan([good, bad], [4, 4], [TargetShape(1, 10)] * 2)
+    plan = p.draft_plan([good, bad], [4, 4], [RequestShape(1, 10)] * 2)
     assert plan.num_slots == [4, 0]
 
 
 def test_exploration_draws_come_from_the_planners_own_generator():
     p = planner(4, exploration=2.0, seed=7)
-    shapes = [TargetShape(1, 0)] * 3
+    shapes = [RequestShape(1, 0)] * 3
     chance = p.exploration_probability(shapes)
     assert 0.1 < chance < 0.9
     draws = torch.cat([p.draft_plan(requests(3), [4, 4, 4], shapes).explore for _ in range(20)])
@@ -206,16 +250,16 @@ def test_exploration_draws_come_from_the_planners_own_generator():
 def test_exploration_costs_its_share_of_compute_at_any_concurrency():
     p = planner(4, exploration=0.01)
     for batch in (1, 4, 16):
-        shapes = [TargetShape(1, 0)] * batch
+        shapes = [RequestShape(1, 0)] * batch
         step = p.cost.verify_seconds(batch) + p.cost.overhead
         block = 4 * p.cost.draft_seconds(1) + p.cost.verify_seconds(batch + 4) - p.cost.verify_seconds(batch)
         assert batch * p.exploration_probability(shapes) * block == pytest.approx(0.01 * step)
-    assert planner(4, exploration=0.0).exploration_probability([TargetShape(1, 0)]) == 0.0
+    assert planner(4, exploration=0.0).exploration_probability([RequestShape(1, 0)]) == 0.0
 
 
 def test_requests_at_max_tokens_draft_nothing_and_never_explore():
     p = planner(4, exploration=1e9)
-    plan = p.draft_plan(requests(2), [0, 3], [TargetShape(1, 0)] * 2)
+    plan = p.draft_plan(requests(2), [0, 3], [RequestShape(1, 0)] * 2)
     assert plan.num_slots == [0, 3] and plan.explore.tolist() == [False, True]
 
 
@@ -235,7 +279,7 @@ def test_a_lossy_scorer_is_refused():
 
 def test_price_is_never_below_the_target_only_rate():
     p = planner(4)
-    shapes = [TargetShape(1, 0)] * 4
+    shapes = [RequestShape(1, 0)] * 4
     p.speedup = 0.5  # speculation measured slower than target-only
     assert p.price(shapes) == pytest.approx(p.target_only_rate(shapes))
     p.speedup = 2.0
@@ -249,5 +293,25 @@ def test_one_odd_slot_is_shrunk_toward_the_population_and_many_are_not():
     p.history[odd.request_id] = type(p._history(odd))(feature_sum=-6.0, feature_count=1.0)
     p.history[doubtful.request_id] = type(p._history(doubtful))(feature_sum=-60.0, feature_count=10.0)
     assert p._predictor(p.history[odd.request_id]) == pytest.approx((-6.0 + 2 * 6.0) / 3)
-    plan = p.draft_plan([odd, doubtful], [4, 4], [TargetShape(1, 10)] * 2)
+    plan = p.draft_plan([odd, doubtful], [4, 4], [RequestShape(1, 10)] * 2)
     assert plan.num_slots == [4, 0]
+
+
+def test_only_caught_up_requests_explore():
+    p = planner(4, exploration=1e9)
+    p.population_feature = 0.0
+    shapes = [RequestShape(1, 10, draft_pending=2), RequestShape(1, 10, draft_pending=7)]
+    assert p.draft_plan(requests(2), [4, 4], shapes).explore.tolist() == [True, False]
+
+
+def test_a_catch_up_is_made_only_when_drafting_is_predicted_to_repay_it():
+    p = planner(4)
+    p.population_feature = 6.0  # confident traffic
+    long, short = (Request([1] * 40, SamplingParams(max_tokens=n), request_id=f"n{n}") for n in (400, 4))
+    shape = RequestShape(1, 10, draft_pending=400)
+    assert p.draft_plan([long], [4], [shape]).num_slots == [4]  # 400 tokens to go repay a 400-token catch-up
+    assert p.draft_plan([short], [4], [shape]).num_slots == [0]  # 4 tokens to go do not
+    assert p.history[short.request_id].wait == p.config.probe_interval  # it is probed later
+    p.population_feature = -6.0  # doubtful traffic: no remaining length repays it
+    doubtful = Request([1] * 40, SamplingParams(max_tokens=400), request_id="d")
+    assert p.draft_plan([doubtful], [4], [shape]).num_slots == [0]

@@ -205,6 +205,9 @@ class FullQReported:
         rows = SamplingRows.of(requests, drafts.num_drafted.tolist())
         return dataclasses.replace(drafts, probs=rows.probs(self.full_head(drafts.hidden).float()))
 
+    def pending_tokens(self, requests):
+        return self.inner.pending_tokens(requests)
+
     def commit(self, requests, drafts, result):
         self.inner.commit(requests, drafts, result)
 

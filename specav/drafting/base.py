@@ -39,6 +39,11 @@ class Drafter(Protocol):
         early where stop_rule says so; DraftBatch.forwards records each forward's shape."""
         ...
 
+    def pending_tokens(self, requests: Sequence[Request]) -> list[int]:
+        """Per request, the tokens its first drafting forward would feed: what the drafter has not
+        seen yet (the whole prompt for a new request, the skipped tokens for one that resumes)."""
+        ...
+
     def commit(self, requests: Sequence[Request], drafts: DraftBatch, result: AcceptResult) -> None:
         """Sync state with verification: request b kept result.num_accepted[b] draft tokens, then
         emitted result.output_tokens[b][-1] (a recovered or bonus token)."""
@@ -78,6 +83,9 @@ class NoDrafter:
         b = len(requests)
         return DraftBatch(torch.full((b, 0), -1, dtype=torch.int64), Ragged.of([0] * b),
                           torch.zeros(0, self.vocab_size), {})
+
+    def pending_tokens(self, requests: Sequence[Request]) -> list[int]:
+        return [0] * len(requests)
 
     def commit(self, requests: Sequence[Request], drafts: DraftBatch, result: AcceptResult) -> None:
         pass

@@ -99,6 +99,10 @@ class DraftModelDrafter:
                           {n: f[:, :max(drafted, default=0)] for n, f in features.items()},
                           torch.stack(flat_hidden) if flat_hidden else None, forwards)
 
+    def pending_tokens(self, requests: Sequence[Request]) -> list[int]:
+        return [len(self._states[r.request_id].pending) if r.request_id in self._states else len(r.prompt_ids)
+                for r in requests]
+
     def _features(self, rows: SamplingRows, logits: torch.Tensor, probs: torch.Tensor,
                   tokens: torch.Tensor) -> dict[str, torch.Tensor]:
         """Every logged feature of A slots # [A]: from temperature-scaled, untruncated logits, plus

@@ -27,6 +27,7 @@ learns from. The step's whole time, commit included, goes to EngineStats.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import deque
 from typing import Callable, Sequence
@@ -46,7 +47,7 @@ from specav.models.vocab_subset import apply_vocab_subset
 from specav.request import Request, StepOutput, TokenLogprob
 from specav.types import AcceptResult, DraftBatch, Plan, Scores, StageTimes, StepRecord
 from specav.verification.cost_model import CostModel, CostProfile
-from specav.verification.planner import Planner, make_planner
+from specav.verification.planner import Planner, RequestShape, make_planner
 from specav.verification.rejection import rejection_sample
 
 
@@ -171,7 +172,7 @@ class Engine:
         if not batch:
             return ended
         clock = _Clock()
-        shapes, max_slots = self.verifier.shapes(batch), self._max_slots(batch)
+        shapes, max_slots = self._shapes(batch), self._max_slots(batch)
         draft_plan = self.planner.draft_plan(batch, max_slots, shapes)
         drafts = self.drafter.propose(batch, draft_plan.num_slots, draft_plan.stop_rule)
         clock.lap("draft")
@@ -186,6 +187,11 @@ class Engine:
                             sum(s.pending for s, r in zip(shapes, batch) if not r.output_ids))
         self._observe(record)
         return ended + self._commit(record, clock)
+
+    def _shapes(self, batch: Sequence[Request]) -> list[RequestShape]:
+        """What each request costs the two stages before any slot: the target's and the drafter's pending tokens."""
+        return [dataclasses.replace(s, draft_pending=d)
+                for s, d in zip(self.verifier.shapes(batch), self.drafter.pending_tokens(batch))]
 
     def _max_slots(self, batch: Sequence[Request]) -> list[int]:
         """K per request, never more than it can still emit (each step also emits one token)."""

@@ -56,15 +56,28 @@ def profile_key(models: str, threads: int | None = None) -> str:
 def load_or_profile(verifier: TargetVerifier, drafter: Drafter | None, key: str, cache_path: Path | None,
                     max_verify_tokens: int, max_draft_rows: int, refresh: bool = False,
                     progress: bool = True) -> CostProfile:
-    """The cached profile for `key`, or a fresh measurement (then cached)."""
+    """The cached profile for `key` if it covers these sizes, or a fresh measurement (then cached:
+    a profile measured for a larger engine serves a smaller one, not the other way round)."""
     if cache_path is not None and not refresh:
         cached = _read(cache_path).get(key)
         if cached is not None:
-            return CostProfile.from_dict(cached)
+            profile = CostProfile.from_dict(cached)
+            if _covers(profile, drafter is not None, max_verify_tokens, max_draft_rows):
+                return profile
     profile = measure_profile(verifier, drafter, max_verify_tokens, max_draft_rows, key, progress)
     if cache_path is not None:
         _write(cache_path, key, profile)
     return profile
+
+
+def _covers(profile: CostProfile, drafting: bool, max_verify_tokens: int, max_draft_rows: int) -> bool:
+    """Whether a profile measured the sizes an engine with these limits uses (past the grid's end
+    every profile extends its last segment, so the grid's end is enough)."""
+    verify_end = max([t for t in VERIFY_TOKENS if t <= max(1, max_verify_tokens)])
+    draft_end = max([a for a in DRAFT_ROWS if a <= max(1, max_draft_rows)])
+    if profile.verify.tokens[-1] < verify_end:
+        return False
+    return not drafting or (profile.draft is not None and profile.draft.tokens[-1] >= draft_end)
 
 
 def measure_profile(verifier: TargetVerifier, drafter: Drafter | None, max_verify_tokens: int,

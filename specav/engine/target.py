@@ -26,7 +26,7 @@ from specav.verification.sampling_rows import SamplingRows
 from specav.models.kv_cache import KVCache
 from specav.models.packed import PackedCausalLM
 from specav.types import AcceptResult
-from specav.verification.planner import TargetShape
+from specav.verification.planner import RequestShape
 
 
 @dataclass(slots=True)
@@ -45,10 +45,10 @@ class TargetVerifier:
             self._states[request.request_id] = _State(self.model.new_cache(), list(request.prompt_ids))
         return self._states[request.request_id]
 
-    def shapes(self, requests: Sequence[Request]) -> list[TargetShape]:
+    def shapes(self, requests: Sequence[Request]) -> list[RequestShape]:
         """Per request, what verifying it costs before any slot: pending tokens and cached positions."""
         states = [self._state(r) for r in requests]
-        return [TargetShape(len(s.pending), s.cache.length) for s in states]
+        return [RequestShape(len(s.pending), s.cache.length) for s in states]
 
     def verify(self, requests: Sequence[Request], admitted: Sequence[list[int]]) -> torch.Tensor:
         """admitted[b]: request b's admitted draft tokens. Returns p # [S + B, V]: per request,

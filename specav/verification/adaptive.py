@@ -22,7 +22,21 @@ Rules (survival s_i = product of a request's confidences 1..i, architecture.md):
   steps (it decodes target-only; its drafter catches up on the skipped tokens in one packed
   forward when it drafts again), then drafts slot 1 whatever the rule says, so fresh features
   can bring it back (a code block in a chat answer). A probe that does not lead to slot 2
-  doubles the wait, up to `max_probe_interval`.
+  doubles the wait, up to `max_probe_interval`. Probes are paid from a budget, `probe_share`
+  of the measured step time: a probe's catch-up costs the drafter a forward over every token
+  skipped, so probing on a timer alone would cost a fixed share of compute (about 1.5 ms per
+  skipped token on this project's CPUs) however rarely it ran. A due probe whose price (the
+  drafter forward over its pending tokens and one verified slot) the budget does not cover
+  waits for it.
+* Catch-up. A request whose drafter has more than the usual one or two tokens to catch up on
+  (a new request's prompt) joins the draft rule only if drafting is predicted to beat
+  target-only decoding, over its remaining tokens, by more than the catch-up costs (the value
+  per step of drafting its best number of slots, from its feature history at every slot, at
+  the target-only rate, times its expected remaining steps); otherwise it decodes target-only
+  and is probed later like a request that stopped.
+* Cold start. With nothing known (no request has drafted yet), one request drafts, the one
+  whose drafter has the fewest tokens to catch up on; the others wait one step for the
+  population's features, which then stand in for a new request's own history.
 * Admit (the plan stage, the trim). Drafting is sunk by then, so a slot pays if its survival
   s >= lambda * (marginal verify seconds). All drafted slots of the batch are scanned in
   descending survival (ties by position, then by request), admitting while the slot pays and
@@ -34,7 +48,8 @@ Rules (survival s_i = product of a request's confidences 1..i, architecture.md):
 * Explore. Each step every request, with a probability drawn from the planner's own generator
   (never from the drafts), drafts and verifies its whole block, so deep positions keep getting
   labels while the rules above trim. The probability is set from the cost model so exploring
-  takes the configured share of compute (`exploration`) at any concurrency.
+  takes the configured share of compute (`exploration`) at any concurrency. Only requests
+  whose drafter is caught up explore (a catch-up is a probe's, paid from its budget).
 
 Must not know: models, the rejection sampler, the engine, the server.
 """
@@ -53,10 +68,11 @@ from specav.config import AdaptiveConfig
 from specav.request import Request
 from specav.types import DraftBatch, Plan, Scores, StepRecord
 from specav.verification.cost_model import CostModel, _decay
-from specav.verification.planner import DraftPlan, TargetShape, register
+from specav.verification.planner import DraftPlan, RequestShape, register
 
 _HISTORY_DECAY = 0.7  # per step: how much of a request's feature evidence carries into the next step
 _PRIOR_SLOTS = 2.0  # the population's features count as this many of the request's own slots
+_CAUGHT_UP = 2  # drafter pending tokens of a request that drafted last step (its final token, maybe x_K)
 
 
 @dataclass(slots=True)
@@ -140,19 +156,20 @@ class AdaptivePlanner:
         self.speedup = 1.0  # EMA of measured rate / target-only rate
         self.history: dict[str, _History] = {}
         self.population_feature = math.nan  # recent mean slot feature over all requests (new requests' prior)
+        self.probe_budget = 0.0  # seconds of compute probes may still spend (probe_share of measured steps)
 
     # ---- the price of compute -------------------------------------------------------
 
-    def target_only_rate(self, shapes: Sequence[TargetShape]) -> float:
+    def target_only_rate(self, shapes: Sequence[RequestShape]) -> float:
         """Tokens per second of target-only decoding of these requests, as the cost model predicts it:
         one token each over their contexts (a prefill step's slow rate is not the price of time)."""
         seconds = self.cost.verify_seconds(len(shapes), sum(s.context + s.pending - 1 for s in shapes))
         return len(shapes) / max(seconds + self.cost.overhead, 1e-9)
 
-    def price(self, shapes: Sequence[TargetShape]) -> float:
+    def price(self, shapes: Sequence[RequestShape]) -> float:
         return max(1.0, self.speedup) * self.target_only_rate(shapes)
 
-    def exploration_probability(self, shapes: Sequence[TargetShape]) -> float:
+    def exploration_probability(self, shapes: Sequence[RequestShape]) -> float:
         """Per request this step: exploring then costs `exploration` x the step's time on average
         (a block is K drafter forwards and K more verified tokens, priced as if nothing else drafted)."""
         if self.config.exploration <= 0 or not shapes:
@@ -175,24 +192,35 @@ class AdaptivePlanner:
     # ---- draft ---------------------------------------------------------------------------
 
     def draft_plan(self, requests: Sequence[Request], max_slots: Sequence[int],
-                   shapes: Sequence[TargetShape]) -> DraftPlan:
+                   shapes: Sequence[RequestShape]) -> DraftPlan:
         b = len(requests)
         price = self.price(shapes)
         explore = torch.rand(b, generator=self.generator, dtype=torch.float64) < \
             self.exploration_probability(shapes)
-        explore &= torch.tensor([m > 0 for m in max_slots], dtype=torch.bool)
+        explore &= torch.tensor([m > 0 and s.draft_pending <= _CAUGHT_UP for m, s in zip(max_slots, shapes)],
+                                dtype=torch.bool)
         num_slots = [0] * b
         forced: list[int] = []
         candidates: list[int] = []
+        for i in self._cold_start(requests, max_slots, shapes):
+            forced.append(i)
+            num_slots[i] = max_slots[i]
         for i, (request, m) in enumerate(zip(requests, max_slots)):
             h = self._history(request)
-            if m == 0:
+            if m == 0 or i in forced or math.isnan(self._predictor(h)):
                 continue
-            if bool(explore[i]) or h.probing or math.isnan(self._predictor(h)):
+            if bool(explore[i]):
+                forced.append(i)
+            elif h.probing:
+                if not self._pay_probe(shapes[i]):
+                    continue  # due, but the budget does not cover its catch-up yet
                 forced.append(i)
             elif h.wait > 0:
                 h.wait -= 1
                 h.probing = h.wait == 0
+                continue
+            elif shapes[i].draft_pending > _CAUGHT_UP and not self._entry_pays(request, shapes, i):
+                h.wait = h.interval  # catching up would not pay: decode target-only, probe later
                 continue
             else:
                 candidates.append(i)
@@ -207,8 +235,49 @@ class AdaptivePlanner:
         stop = _SurvivalStop(self, explore.clone(), price, verify_tokens, [s.context for s in shapes])
         return DraftPlan(num_slots, stop, explore, price, verify_tokens, sum(s.context for s in shapes))
 
+    def _cold_start(self, requests: Sequence[Request], max_slots: Sequence[int],
+                    shapes: Sequence[RequestShape]) -> list[int]:
+        """With nothing known yet, the one request that drafts: the cheapest catch-up (see the module docstring)."""
+        if not math.isnan(self.population_feature):
+            return []
+        unknown = [i for i, (r, m) in enumerate(zip(requests, max_slots))
+                   if m > 0 and math.isnan(self._predictor(self._history(r)))]
+        return [min(unknown, key=lambda i: (shapes[i].draft_pending, i))] if unknown else []
+
+    def _entry_pays(self, request: Request, shapes: Sequence[RequestShape], i: int) -> bool:
+        """Whether request i's drafter should catch up (a new request's prompt, or tokens skipped):
+        an investment, worth it when drafting is predicted to beat target-only decoding by more
+        over the request's remaining tokens than the catch-up costs. Predicted from the request's
+        feature history at every slot, priced at the target-only rate."""
+        price = self.target_only_rate(shapes)
+        feature = torch.full((1, self.num_slots), self._predictor(self._history(request)), dtype=torch.float64)
+        survival = torch.cumprod(torch.nan_to_num(self.scorer.score(feature)[0], nan=0.0), 0)  # [K]
+        rows = sum(1 for s in shapes if s.draft_pending <= _CAUGHT_UP)  # likely drafting beside it
+        tokens = sum(s.pending for s in shapes)
+        draft_row = self.cost.draft_seconds(rows + 1) - self.cost.draft_seconds(rows)
+        seconds = torch.tensor([n * draft_row + self.cost.verify_seconds(tokens + n) - self.cost.verify_seconds(tokens)
+                                for n in range(1, self.num_slots + 1)], dtype=torch.float64)  # [K] drafting n slots
+        expected = torch.cumsum(survival, 0)  # [K] expected accepted tokens drafting 1..K slots
+        values = expected - price * seconds
+        best = int(values.argmax())
+        if values[best] <= 0:
+            return False
+        steps_left = request.remaining / (1.0 + float(expected[best]))
+        shape = shapes[i]
+        catch_up = self.cost.draft_seconds(shape.draft_pending, shape.context) - self.cost.draft_seconds(1, shape.context)
+        return float(values[best]) * steps_left >= price * catch_up
+
+    def _pay_probe(self, shape: RequestShape) -> bool:
+        """Whether the probe budget covers this probe (and if so, take its price from it)."""
+        price = self.cost.draft_seconds(shape.draft_pending, shape.context) + \
+            self.cost.verify_seconds(shape.pending + 1, shape.context) - self.cost.verify_seconds(shape.pending, shape.context)
+        if price > self.probe_budget:
+            return False
+        self.probe_budget -= price
+        return True
+
     def _choose_first_slot(self, requests: Sequence[Request], candidates: list[int], forced: list[int],
-                           price: float, shapes: Sequence[TargetShape]) -> set[int]:
+                           price: float, shapes: Sequence[RequestShape]) -> set[int]:
         """Which candidates draft slot 1, predicted from their feature history (no drafter forward yet)."""
         if not candidates:
             return set()
@@ -252,6 +321,8 @@ class AdaptivePlanner:
 
     def observe(self, record: StepRecord) -> None:
         self.cost.observe(record.drafts.forwards, record.verify_tokens, record.verify_context, record.times)
+        if math.isfinite(record.times.total):
+            self.probe_budget += self.config.probe_share * max(0.0, record.times.total)
         if record.times.total > 0 and record.requests:
             # what a target-only step over the same requests would have cost: their pending tokens alone
             pending = record.verify_tokens - int(record.num_admitted.sum())

@@ -43,11 +43,12 @@ class DraftPlan:
 
 
 @dataclass(frozen=True, slots=True)
-class TargetShape:
-    """What verifying a request costs before any slot is added: its pending tokens and cached positions."""
+class RequestShape:
+    """What a request costs the two stages before any slot is added."""
 
-    pending: int
-    context: int
+    pending: int  # tokens the target verifies whatever is admitted (its pending tokens)
+    context: int  # positions cached in the target
+    draft_pending: int = 1  # tokens the drafter's first forward would feed (a catch-up when > 2)
 
 
 class Planner(Protocol):
@@ -55,7 +56,7 @@ class Planner(Protocol):
     uses_confidences: bool  # True: it trims on the scorer's confidences, which must then be lossless
 
     def draft_plan(self, requests: Sequence[Request], max_slots: Sequence[int],
-                   shapes: Sequence[TargetShape]) -> DraftPlan: ...
+                   shapes: Sequence[RequestShape]) -> DraftPlan: ...
 
     def plan(self, drafts: DraftBatch, scores: Scores, draft_plan: DraftPlan) -> Plan: ...
 
@@ -91,7 +92,7 @@ class StaticPlanner:
         pass
 
     def draft_plan(self, requests: Sequence[Request], max_slots: Sequence[int],
-                   shapes: Sequence[TargetShape]) -> DraftPlan:
+                   shapes: Sequence[RequestShape]) -> DraftPlan:
         return DraftPlan(list(max_slots))
 
     def plan(self, drafts: DraftBatch, scores: Scores, draft_plan: DraftPlan) -> Plan:
