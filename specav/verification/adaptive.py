@@ -14,7 +14,8 @@ Rules (survival s_i = product of a request's confidences 1..i, architecture.md):
 * Draft (before each drafter forward j = 1..K, the early stop). Each request that may draft
   slot j expects gain g = s_{j-1} * c_j, where c_j is the estimator's confidence at position j
   for the request's latest feature (slot j-1's, or for j = 1 its history from earlier steps:
-  the no-draft decision). Sorted by g, the requests drafting slot j are the prefix n that
+  the no-draft decision, where g is the value of the request's best predicted block, since the
+  first verified slot costs more than the next ones). Sorted by g, the requests drafting slot j are the prefix n that
   maximises sum(g) - lambda * (drafter forward over their tokens + n verified tokens); n = 0
   stops drafting. Lossless: it reads q_1..q_{j-1} of the request and anything of the others,
   never x_j or what follows from it.
@@ -250,15 +251,8 @@ class AdaptivePlanner:
         over the request's remaining tokens than the catch-up costs. Predicted from the request's
         feature history at every slot, priced at the target-only rate."""
         price = self.target_only_rate(shapes)
-        feature = torch.full((1, self.num_slots), self._predictor(self._history(request)), dtype=torch.float64)
-        survival = torch.cumprod(torch.nan_to_num(self.scorer.score(feature)[0], nan=0.0), 0)  # [K]
-        rows = sum(1 for s in shapes if s.draft_pending <= _CAUGHT_UP)  # likely drafting beside it
-        tokens = sum(s.pending for s in shapes)
-        draft_row = self.cost.draft_seconds(rows + 1) - self.cost.draft_seconds(rows)
-        seconds = torch.tensor([n * draft_row + self.cost.verify_seconds(tokens + n) - self.cost.verify_seconds(tokens)
-                                for n in range(1, self.num_slots + 1)], dtype=torch.float64)  # [K] drafting n slots
-        expected = torch.cumsum(survival, 0)  # [K] expected accepted tokens drafting 1..K slots
-        values = expected - price * seconds
+        expected = self._predicted_block(request)
+        values = expected - price * self._block_seconds(sum(s.pending for s in shapes), self._draft_row(shapes))
         best = int(values.argmax())
         if values[best] <= 0:
             return False
@@ -278,16 +272,39 @@ class AdaptivePlanner:
 
     def _choose_first_slot(self, requests: Sequence[Request], candidates: list[int], forced: list[int],
                            price: float, shapes: Sequence[RequestShape]) -> set[int]:
-        """Which candidates draft slot 1, predicted from their feature history (no drafter forward yet)."""
+        """Which candidates draft slot 1, predicted from their feature history (no drafter forward
+        yet). A candidate's gain is the value of its best block, not of slot 1 alone: the first
+        verified slot costs the most (measured costs are not convex), so a myopic slot-1 rule would
+        stop requests whose blocks pay."""
         if not candidates:
             return set()
-        history = torch.tensor([self._predictor(self._history(requests[i])) for i in candidates],
-                               dtype=torch.float64)
-        gains = torch.nan_to_num(score_column(self.scorer, history, 0, self.num_slots), nan=0.0).tolist()
         verify_tokens = sum(s.pending for s in shapes) + len(forced)
+        draft_row = self._draft_row(shapes)
+        gains = []
+        seconds = self._block_seconds(verify_tokens, draft_row)
+        beyond = seconds - seconds[0]  # [K] what slots 2..n add to slot 1's cost (priced by choose)
+        for i in candidates:
+            gains.append(float((self._predicted_block(requests[i]) - price * beyond).max()))
         context = sum(shapes[i].context for i in candidates + forced)
         chosen = self.choose(gains, [1] * len(candidates), len(forced), price, verify_tokens, context)
         return {candidates[j] for j in chosen}
+
+    def _predicted_block(self, request: Request) -> torch.Tensor:
+        """Expected accepted tokens of drafting 1..K slots # [K], predicted from the request's
+        feature history at every position (nothing of this step's drafts)."""
+        feature = torch.full((1, self.num_slots), self._predictor(self._history(request)), dtype=torch.float64)
+        return torch.cumsum(torch.cumprod(torch.nan_to_num(self.scorer.score(feature)[0], nan=0.0), 0), 0)
+
+    def _block_seconds(self, verify_tokens: int, draft_row: float) -> torch.Tensor:
+        """Seconds that drafting and verifying 1..K slots of one request add to the step # [K]."""
+        base = self.cost.verify_seconds(verify_tokens)
+        return torch.tensor([n * draft_row + self.cost.verify_seconds(verify_tokens + n) - base
+                             for n in range(1, self.num_slots + 1)], dtype=torch.float64)
+
+    def _draft_row(self, shapes: Sequence[RequestShape]) -> float:
+        """Seconds one more row adds to a drafter forward beside the requests likely to draft."""
+        rows = sum(1 for s in shapes if s.draft_pending <= _CAUGHT_UP)
+        return self.cost.draft_seconds(rows + 1) - self.cost.draft_seconds(rows)
 
     # ---- admit ---------------------------------------------------------------------------
 
