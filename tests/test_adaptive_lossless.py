@@ -224,9 +224,9 @@ def run_engine(pair, planner):
 RULES = {  # rule -> planner settings that make it fire often on the tiny pair
     "admission": dict(price=4.0),
     "early stop": dict(price=3.0),
-    "no draft": dict(price=4.5, rate=2.0, probe_interval=1, probe_share=1.0),
+    "no draft": dict(price=4.5, rate=4.0, probe_interval=1, probe_share=1.0),
     "exploration": dict(price=50.0, exploration=0.3),
-    "all": dict(price=4.5, rate=2.0, exploration=0.1, probe_interval=1, probe_share=1.0),
+    "all": dict(price=4.5, rate=4.0, exploration=0.1, probe_interval=1, probe_share=1.0),
 }
 
 

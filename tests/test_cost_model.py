@@ -130,8 +130,8 @@ def test_a_cached_profile_serves_engines_it_covers_and_is_remeasured_for_larger_
     get = lambda tokens, rows: profiling.load_or_profile(engine.verifier, engine.drafter, "k", path, tokens,
                                                           rows, progress=False)
     small = get(3, 1)
-    assert small.verify.tokens[-1] == 3 and small.draft.tokens[-1] == 1
+    assert small.verify.tokens[-1] == 3 and small.draft.tokens == (1, profiling.CATCH_UP)  # rows, and a catch-up
     assert get(3, 1) == small and len(measured) == 1  # cached
     large = get(24, 8)  # a larger engine: the small profile does not cover it
-    assert large.verify.tokens[-1] == 24 and large.draft.tokens[-1] == 8 and len(measured) == 2
+    assert large.verify.tokens[-1] == 24 and 8 in large.draft.tokens and len(measured) == 2
     assert get(3, 1) == large and len(measured) == 2  # the larger profile serves the small engine

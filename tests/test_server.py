@@ -115,6 +115,12 @@ def test_streaming_gives_the_same_text_and_usage(server):
 
 
 def test_seed_reproducibility(server):
+    """A seed reproduces the text under a static config. Under adaptive verification it fixes the
+    request's draws, but what is drafted and verified depends on the traffic, the estimator's
+    learning and measured step times, which change where the draws go: the distribution is the
+    target's, the text is not reproducible (docs/serving.md says so)."""
+    if server.engine.planner.name == "adaptive":
+        pytest.skip("adaptive verification does not promise reproducible seeded text (see the docstring)")
     c = client(server)
 
     def sample(seed):

@@ -1,7 +1,7 @@
 """Benchmark: adaptive verification against target-only, static K and the oracle, on the packaged pair.
 
     python -m specav.bench.adaptive [--workloads code,chat,prose] [--concurrency 1,4,8] [--requests 8]
-                                    [--max-tokens 128] [--ks 1,2,4,8] [--av-k 8] [--threads 2]
+                                    [--max-tokens 128] [--rounds 1] [--ks 1,2,4,8] [--av-k 8] [--threads 2]
                                     [--plot docs/adaptive.png]
 
 For each workload and concurrency C, the same `--requests` prompts (the workload's first ones,
@@ -17,7 +17,9 @@ top-k 20, top-p 0.8, request i seeded with i, through:
                    the cost model, as that run's measured time x predicted(oracle) / predicted(K=8)
 
 Every row is measured in this one process, the methods taking turns per cell (the order reversed
-every other cell), after one warm-up request per method. Printed per cell: tokens/s, the ratio to
+every other turn), after one warm-up request per method; with `--rounds N` each cell takes N
+turns and its figures are over all of them (speeds here drift 10-15% within minutes: two rounds
+in opposite orders cancel a steady drift). Printed per cell: tokens/s, the ratio to
 target-only, to the best static K and to the oracle, tokens per step, slots drafted / verified per
 step, requests that skipped drafting; then AV's goals (issue 11) met or missed, and the share of
 AV's step time spent in its planner, estimator and cost model. This program owns no engine logic.
@@ -68,6 +70,12 @@ class Run:
     predicted_seconds: float = 0.0  # AV only: its cost model's step times, summed (against measured)
     measured_seconds: float = 0.0
     replay: list[_Step] = field(default_factory=list)
+
+    def merge(self, other: "Run") -> "Run":
+        """This run and another of the same method taken together (rounds of a cell)."""
+        return Run(self.method, *(getattr(self, f) + getattr(other, f) for f in (
+            "tokens", "seconds", "steps", "drafted", "admitted", "skipped", "planning_seconds",
+            "predicted_seconds", "measured_seconds", "replay")))
 
     @property
     def tps(self) -> float:
@@ -220,6 +228,9 @@ def main() -> None:
     parser.add_argument("--concurrency", default="1,4,8")
     parser.add_argument("--requests", type=int, default=8, help="requests per cell")
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="times each method runs per cell, the order reversed every round (drift cancels); "
+                             "a cell's figures are over all rounds")
     parser.add_argument("--ks", default="1,2,4,8", help="static K values (8 is needed for the oracle)")
     parser.add_argument("--av-k", type=int, default=8, help="AV's num_speculative_tokens (the deepest it drafts)")
     parser.add_argument("--dtype", default="auto")
@@ -251,10 +262,13 @@ def main() -> None:
     for workload in args.workloads.split(","):
         prompts = [encode_prompt(target.tokenizer, messages=p.chat()) for p in load_workload(workload)[: args.requests]]
         for concurrency in concurrencies:
-            order = methods if turn % 2 == 0 else methods[::-1]
-            turn += 1
-            cell = {name: run(target, drafter, name, k, adaptive, prompts, args.max_tokens, concurrency, profile)
-                    for name, k, adaptive in order}
+            cell: dict[str, Run] = {}
+            for _ in range(args.rounds):
+                order = methods if turn % 2 == 0 else methods[::-1]
+                turn += 1
+                for name, k, adaptive in order:
+                    r = run(target, drafter, name, k, adaptive, prompts, args.max_tokens, concurrency, profile)
+                    cell[name] = cell[name].merge(r) if name in cell else r
             cell["oracle"] = oracle(cell["static K=8"], profile)
             cell = {name: cell[name] for name, _, _ in methods} | {"oracle": cell["oracle"]}
             results[(workload, concurrency)] = cell

@@ -34,7 +34,8 @@ PROFILE_FILE = "cost-profile.json"
 VERIFY_TOKENS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 64)  # past 64 the curve extends linearly
 DRAFT_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 SHORT_CONTEXT, LONG_CONTEXT = 64, 576
-PROFILE_VERSION = 2  # bumped when what is measured, or how, changes (2: thread policy warmed first)
+CATCH_UP = 128  # tokens of one request in one drafter forward: a catch-up (a new prompt, skipped tokens)
+PROFILE_VERSION = 3  # bumped when what is measured, or how, changes (2: thread policy warmed first; 3: catch-up)
 REPEATS = 3
 _PARAMS = SamplingParams(temperature=0.7, top_k=20, top_p=0.8, max_tokens=1 << 20)  # the usual sampling
 
@@ -72,24 +73,27 @@ def load_or_profile(verifier: TargetVerifier, drafter: Drafter | None, key: str,
 
 def _covers(profile: CostProfile, drafting: bool, max_verify_tokens: int, max_draft_rows: int) -> bool:
     """Whether a profile measured the sizes an engine with these limits uses (past the grid's end
-    every profile extends its last segment, so the grid's end is enough)."""
+    every profile extends its last segment, so the grid's end is enough; larger grids hold every
+    smaller grid's end)."""
     verify_end = max([t for t in VERIFY_TOKENS if t <= max(1, max_verify_tokens)])
     draft_end = max([a for a in DRAFT_ROWS if a <= max(1, max_draft_rows)])
-    if profile.verify.tokens[-1] < verify_end:
+    if verify_end not in profile.verify.tokens:
         return False
-    return not drafting or (profile.draft is not None and profile.draft.tokens[-1] >= draft_end)
+    return not drafting or (profile.draft is not None and draft_end in profile.draft.tokens
+                            and CATCH_UP in profile.draft.tokens)
 
 
 def measure_profile(verifier: TargetVerifier, drafter: Drafter | None, max_verify_tokens: int,
                     max_draft_rows: int, key: str = "", progress: bool = True) -> CostProfile:
     """Time the verify stage at VERIFY_TOKENS (up to max_verify_tokens) and the draft stage at
     DRAFT_ROWS (up to max_draft_rows), median of REPEATS each, on a SHORT_CONTEXT-token context;
-    each stage once more at LONG_CONTEXT for its seconds per cached position."""
+    each stage once more at LONG_CONTEXT for its seconds per cached position; the draft stage also
+    at a CATCH_UP-token forward of one request (what a catch-up costs, past the rows measured)."""
     gen = torch.Generator().manual_seed(0)
     vocab = verifier.model.vocab_size
     verify_sizes = [t for t in VERIFY_TOKENS if t <= max(1, max_verify_tokens)]
     draft_sizes = [a for a in DRAFT_ROWS if a <= max(1, max_draft_rows)] if drafter is not None else []
-    total = len(verify_sizes) + len(draft_sizes) + 2
+    total = len(verify_sizes) + len(draft_sizes) + (3 if draft_sizes else 1)
     if progress:
         print(f"specav: profiling the draft and verify stages once for this machine ({total} shapes)",
               file=sys.stderr, flush=True)
@@ -99,12 +103,15 @@ def measure_profile(verifier: TargetVerifier, drafter: Drafter | None, max_verif
         _time_verify(verifier, t, SHORT_CONTEXT, vocab, gen, warmup)
     for a in sorted({1, min(5, draft_sizes[-1]), draft_sizes[-1]}) if draft_sizes else ():
         _time_draft(drafter, a, SHORT_CONTEXT, vocab, gen, warmup)
+    if draft_sizes:
+        _time_catch_up(drafter, CATCH_UP, SHORT_CONTEXT, vocab, gen, warmup)
     verify = {t: _time_verify(verifier, t, SHORT_CONTEXT, vocab, gen) for t in verify_sizes}
     verify_long = _time_verify(verifier, 1, LONG_CONTEXT, vocab, gen)
     verify_curve = CostCurve.fit(verify, (verify_long - verify[1]) / (LONG_CONTEXT - SHORT_CONTEXT))
     draft_curve = None
     if drafter is not None:
         draft = {a: _time_draft(drafter, a, SHORT_CONTEXT, vocab, gen) for a in draft_sizes}
+        draft[CATCH_UP] = _time_catch_up(drafter, CATCH_UP, SHORT_CONTEXT, vocab, gen)  # past DRAFT_ROWS
         draft_long = _time_draft(drafter, 1, LONG_CONTEXT, vocab, gen)
         draft_curve = CostCurve.fit(draft, (draft_long - draft[1]) / (LONG_CONTEXT - SHORT_CONTEXT))
     if progress:
@@ -154,6 +161,27 @@ def _time_draft(drafter: Drafter, rows: int, context: int, vocab: int, gen: torc
             drafter.release(r)
 
 
+def _time_catch_up(drafter: Drafter, tokens: int, context: int, vocab: int, gen: torch.Generator,
+                   repeats: int = REPEATS) -> float:
+    """Median seconds of one drafting slot of one request with `tokens` pending tokens (it skipped
+    tokens - 1 steps) over a cached context."""
+    times = []
+    for repeat in range(repeats):
+        request = _dummy_requests(1, context, vocab, gen)[0]
+        try:
+            drafts = drafter.propose([request], [1])  # the prefill of the context
+            drafter.commit([request], drafts, AcceptResult(torch.zeros(1, dtype=torch.int64), [[0]]))
+            skipped = torch.randint(0, vocab, (tokens - 1,), generator=gen).tolist()
+            idle = drafter.propose([request], [0])
+            drafter.commit([request], idle, AcceptResult(torch.zeros(1, dtype=torch.int64), [skipped]))
+            start = time.perf_counter()
+            drafter.propose([request], [1])
+            times.append(time.perf_counter() - start)
+        finally:
+            drafter.release(request)
+    return statistics.median(times)
+
+
 def format_profile(profile: CostProfile) -> str:
     """The profile as a table (what `specav profile` prints)."""
     lines = [f"cost profile: {profile.key}", "verify stage (target forward + processed distributions):",
@@ -161,7 +189,7 @@ def format_profile(profile: CostProfile) -> str:
              "  ms      " + " ".join(f"{s * 1e3:7.2f}" for s in profile.verify.seconds),
              f"  + {profile.verify.per_context * 1e6:.3f} us per cached position"]
     if profile.draft is not None:
-        lines += ["draft stage, one slot (drafter forward + sampling + features):",
+        lines += [f"draft stage, one slot (drafter forward + sampling + features; {CATCH_UP}: one request's catch-up):",
                   "  rows    " + " ".join(f"{t:>7d}" for t in profile.draft.tokens),
                   "  ms      " + " ".join(f"{s * 1e3:7.2f}" for s in profile.draft.seconds),
                   f"  + {profile.draft.per_context * 1e6:.3f} us per cached position",

@@ -15,9 +15,9 @@ Rules (survival s_i = product of a request's confidences 1..i, architecture.md):
   slot j expects gain g = s_{j-1} * c_j, where c_j is the estimator's confidence at position j
   for the request's latest feature (slot j-1's, or for j = 1 its history from earlier steps:
   the no-draft decision, where g is the value of the request's best predicted block, since the
-  first verified slot costs more than the next ones). Sorted by g, the requests drafting slot j are the prefix n that
-  maximises sum(g) - lambda * (drafter forward over their tokens + n verified tokens); n = 0
-  stops drafting. Lossless: it reads q_1..q_{j-1} of the request and anything of the others,
+  first verified slot costs more than the next ones). Sorted by g, the requests drafting slot
+  j are the prefix n that maximises sum(g) - lambda * (drafter forward over their tokens + n
+  verified tokens); n = 0 stops drafting. Lossless: it reads q_1..q_{j-1} of the request and anything of the others,
   never x_j or what follows from it.
 * Skip and probe. A request the rule leaves out at slot 1 does not draft for `probe_interval`
   steps (it decodes target-only; its drafter catches up on the skipped tokens in one packed
@@ -252,7 +252,7 @@ class AdaptivePlanner:
         feature history at every slot, priced at the target-only rate."""
         price = self.target_only_rate(shapes)
         expected = self._predicted_block(request)
-        values = expected - price * self._block_seconds(sum(s.pending for s in shapes), self._draft_row(shapes))
+        values = expected - price * self._block_seconds(sum(s.pending for s in shapes), self._draft_row(len(shapes)))
         best = int(values.argmax())
         if values[best] <= 0:
             return False
@@ -279,7 +279,7 @@ class AdaptivePlanner:
         if not candidates:
             return set()
         verify_tokens = sum(s.pending for s in shapes) + len(forced)
-        draft_row = self._draft_row(shapes)
+        draft_row = self._draft_row(len(candidates) + len(forced))  # deeper slots' rows, if all of them draft
         gains = []
         seconds = self._block_seconds(verify_tokens, draft_row)
         beyond = seconds - seconds[0]  # [K] what slots 2..n add to slot 1's cost (priced by choose)
@@ -301,10 +301,10 @@ class AdaptivePlanner:
         return torch.tensor([n * draft_row + self.cost.verify_seconds(verify_tokens + n) - base
                              for n in range(1, self.num_slots + 1)], dtype=torch.float64)
 
-    def _draft_row(self, shapes: Sequence[RequestShape]) -> float:
-        """Seconds one more row adds to a drafter forward beside the requests likely to draft."""
-        rows = sum(1 for s in shapes if s.draft_pending <= _CAUGHT_UP)
-        return self.cost.draft_seconds(rows + 1) - self.cost.draft_seconds(rows)
+    def _draft_row(self, rows: int) -> float:
+        """Seconds a row adds to a drafter forward of `rows` rows (for one row: the whole forward)."""
+        rows = max(1, rows)
+        return self.cost.draft_seconds(rows) - self.cost.draft_seconds(rows - 1)
 
     # ---- admit ---------------------------------------------------------------------------
 
