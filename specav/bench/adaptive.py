@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import argparse
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -73,9 +73,8 @@ class Run:
 
     def merge(self, other: "Run") -> "Run":
         """This run and another of the same method taken together (rounds of a cell)."""
-        return Run(self.method, *(getattr(self, f) + getattr(other, f) for f in (
-            "tokens", "seconds", "steps", "drafted", "admitted", "skipped", "planning_seconds",
-            "predicted_seconds", "measured_seconds", "replay")))
+        return Run(self.method, **{f.name: getattr(self, f.name) + getattr(other, f.name)
+                                   for f in fields(Run) if f.name != "method"})
 
     @property
     def tps(self) -> float:

@@ -63,6 +63,7 @@ from typing import Sequence
 
 import torch
 
+from specav.acceptance.estimator import survival
 from specav.acceptance.features import require_lossless
 from specav.acceptance.scorer import Scorer, score_column
 from specav.config import AdaptiveConfig
@@ -203,6 +204,8 @@ class AdaptivePlanner:
         num_slots = [0] * b
         forced: list[int] = []
         candidates: list[int] = []
+        rate = self.target_only_rate(shapes)  # what a catch-up must beat, and its block's seconds (1..K slots)
+        entry_seconds = self._block_seconds(sum(s.pending for s in shapes), self._draft_row(len(shapes)))
         for i in self._cold_start(requests, max_slots, shapes):
             forced.append(i)
             num_slots[i] = max_slots[i]
@@ -220,7 +223,8 @@ class AdaptivePlanner:
                 h.wait -= 1
                 h.probing = h.wait == 0
                 continue
-            elif shapes[i].draft_pending > _CAUGHT_UP and not self._entry_pays(request, shapes, i):
+            elif shapes[i].draft_pending > _CAUGHT_UP and not self._entry_pays(request, shapes[i], rate,
+                                                                                   entry_seconds):
                 h.wait = h.interval  # catching up would not pay: decode target-only, probe later
                 continue
             else:
@@ -245,25 +249,27 @@ class AdaptivePlanner:
                    if m > 0 and math.isnan(self._predictor(self._history(r)))]
         return [min(unknown, key=lambda i: (shapes[i].draft_pending, i))] if unknown else []
 
-    def _entry_pays(self, request: Request, shapes: Sequence[RequestShape], i: int) -> bool:
-        """Whether request i's drafter should catch up (a new request's prompt, or tokens skipped):
-        an investment, worth it when drafting is predicted to beat target-only decoding by more
-        over the request's remaining tokens than the catch-up costs. Predicted from the request's
-        feature history at every slot, priced at the target-only rate."""
-        price = self.target_only_rate(shapes)
-        expected = self._predicted_block(request)
-        values = expected - price * self._block_seconds(sum(s.pending for s in shapes), self._draft_row(len(shapes)))
+    def _entry_pays(self, request: Request, shape: RequestShape, rate: float, block_seconds: torch.Tensor) -> bool:
+        """Whether a request's drafter should catch up (a new request's prompt, or tokens skipped):
+        an investment, worth it when drafting is predicted to beat target-only decoding (`rate`
+        tokens per second) by more over the request's remaining tokens than the catch-up costs.
+        Predicted from the request's feature history at every slot; block_seconds # [K]: what
+        drafting and verifying 1..K of its slots add to a step."""
+        expected = self._predicted_blocks([request])[0]
+        values = expected - rate * block_seconds
         best = int(values.argmax())
         if values[best] <= 0:
             return False
         steps_left = request.remaining / (1.0 + float(expected[best]))
-        shape = shapes[i]
-        catch_up = self.cost.draft_seconds(shape.draft_pending, shape.context) - self.cost.draft_seconds(1, shape.context)
-        return float(values[best]) * steps_left >= price * catch_up
+        return float(values[best]) * steps_left >= rate * self._catch_up_seconds(shape)
+
+    def _catch_up_seconds(self, shape: RequestShape) -> float:
+        """What feeding a request's pending tokens adds to its first drafter forward, beyond one row."""
+        return self.cost.draft_seconds(shape.draft_pending, shape.context) - self.cost.draft_seconds(1, shape.context)
 
     def _pay_probe(self, shape: RequestShape) -> bool:
         """Whether the probe budget covers this probe (and if so, take its price from it)."""
-        price = self.cost.draft_seconds(shape.draft_pending, shape.context) + \
+        price = self._catch_up_seconds(shape) + self.cost.draft_seconds(1, shape.context) + \
             self.cost.verify_seconds(shape.pending + 1, shape.context) - self.cost.verify_seconds(shape.pending, shape.context)
         if price > self.probe_budget:
             return False
@@ -280,20 +286,21 @@ class AdaptivePlanner:
             return set()
         verify_tokens = sum(s.pending for s in shapes) + len(forced)
         draft_row = self._draft_row(len(candidates) + len(forced))  # deeper slots' rows, if all of them draft
-        gains = []
         seconds = self._block_seconds(verify_tokens, draft_row)
         beyond = seconds - seconds[0]  # [K] what slots 2..n add to slot 1's cost (priced by choose)
-        for i in candidates:
-            gains.append(float((self._predicted_block(requests[i]) - price * beyond).max()))
+        blocks = self._predicted_blocks([requests[i] for i in candidates])  # [A, K]
+        gains = (blocks - price * beyond).max(dim=1).values.tolist()
         context = sum(shapes[i].context for i in candidates + forced)
         chosen = self.choose(gains, [1] * len(candidates), len(forced), price, verify_tokens, context)
         return {candidates[j] for j in chosen}
 
-    def _predicted_block(self, request: Request) -> torch.Tensor:
-        """Expected accepted tokens of drafting 1..K slots # [K], predicted from the request's
-        feature history at every position (nothing of this step's drafts)."""
-        feature = torch.full((1, self.num_slots), self._predictor(self._history(request)), dtype=torch.float64)
-        return torch.cumsum(torch.cumprod(torch.nan_to_num(self.scorer.score(feature)[0], nan=0.0), 0), 0)
+    def _predicted_blocks(self, requests: Sequence[Request]) -> torch.Tensor:
+        """Expected accepted tokens of drafting 1..K slots, per request # [A, K], predicted from each
+        request's feature history at every position (nothing of this step's drafts)."""
+        history = torch.tensor([self._predictor(self._history(r)) for r in requests], dtype=torch.float64)
+        features = history[:, None].expand(len(requests), self.num_slots)  # [A, K]
+        confidences = torch.nan_to_num(self.scorer.score(features), nan=0.0)
+        return torch.cumsum(survival(confidences), dim=1)
 
     def _block_seconds(self, verify_tokens: int, draft_row: float) -> torch.Tensor:
         """Seconds that drafting and verifying 1..K slots of one request add to the step # [K]."""
