@@ -76,7 +76,7 @@ class DraftBatch:
     features: dict[str, torch.Tensor]  # name -> [B, k_max] float32 (acceptance.features; NaN = not drafted)
     hidden: torch.Tensor | None = None  # [S_d, hidden] drafter hidden state per drafted slot, if kept
     forwards: list[tuple[int, int]] = field(default_factory=list)  # per drafter forward: (tokens fed,
-    #   cached positions attended to), for the cost model
+    #   key positions they attended to, `attended` summed over its requests), for the cost model
 
     @property
     def num_drafted(self) -> torch.Tensor:  # [B] int64
@@ -99,6 +99,13 @@ class Scores:
     def empty(cls, batch: int) -> "Scores":
         nothing = torch.zeros(batch, 0, dtype=torch.float64)
         return cls(nothing, nothing, nothing)
+
+
+def attended(tokens: int, context: int) -> int:
+    """Key positions a forward's `tokens` new tokens of one request attend to, over `context`
+    cached ones: each attends the cache and the new tokens before it (attention's work, which the
+    cost model prices per position)."""
+    return tokens * context + tokens * (tokens - 1) // 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,7 +172,7 @@ class StepRecord:
     times: StageTimes  # measured
     max_slots: list[int]  # per request, the slots it could have drafted (K, or fewer near max_tokens)
     verify_tokens: int  # tokens packed into the target's forward (pending tokens + admitted slots)
-    verify_context: int  # cached positions the target's forward attended to, summed over requests
+    verify_attended: int  # key positions the target's forward attended to (`attended`, summed over requests)
     prefill_tokens: int = 0  # prompt tokens of requests in their first step (prefilled by this step)
 
     @property

@@ -195,7 +195,7 @@ def only(planner: AdaptivePlanner, rule: str) -> AdaptivePlanner:
         plan = original_draft_plan(requests, max_slots, shapes)
         num_slots = plan.num_slots if rule in ("no draft", "all") else list(max_slots)
         stop = plan.stop_rule if rule in ("early stop", "all") else None
-        return DraftPlan(num_slots, stop, plan.explore, plan.price, plan.pending_tokens, plan.context)
+        return DraftPlan(num_slots, stop, plan.explore, plan.price, plan.shapes)
 
     def plan(drafts, scores, draft_plan):
         if rule in ("admission", "all", "exploration"):

@@ -36,7 +36,9 @@ def test_curve_interpolates_and_extends_with_the_last_slope():
     assert curve(2) == pytest.approx(1.5)
     assert curve(4) == pytest.approx(4.0)
     assert curve(7) == pytest.approx(10.0)  # slope 2 per token past the end
-    assert curve(2, context=100) == pytest.approx(2.5)  # + 0.01 per cached position
+    assert curve(2, attended=100) == pytest.approx(2.5)  # + 0.01 per attended position
+    assert curve.added(2, 2, attended=100) == pytest.approx(2.5 + 1.0)  # 2 more tokens attending 100 positions
+    assert curve.added(2, 0, attended=100) == pytest.approx(1.0)  # attention alone
 
 
 def test_single_point_curve_scales_past_its_point():
@@ -135,3 +137,22 @@ def test_a_cached_profile_serves_engines_it_covers_and_is_remeasured_for_larger_
     large = get(24, 8)  # a larger engine: the small profile does not cover it
     assert large.verify.tokens[-1] == 24 and 8 in large.draft.tokens and len(measured) == 2
     assert get(3, 1) == large and len(measured) == 2  # the larger profile serves the small engine
+
+
+def test_the_profile_separates_attention_from_the_token_curve():
+    """Times built as a token curve plus 2 us per attended position (tokens x context) are split
+    back into both: the per-position cost from short/long pairs timed back to back (a drift of
+    the machine between pairs cancels), the curve from the short-context points less attention."""
+    from specav.engine.profile import LONG_CONTEXT, SHORT_CONTEXT, _fit, _one_request, _per_position
+    from specav.types import attended
+
+    base = {1: 0.030, 4: 0.045, 16: 0.075, 64: 0.25}
+    pairs = [(0.075 * drift + 2e-6 * attended(16, SHORT_CONTEXT + i), 0.075 * drift + 2e-6 * attended(16, LONG_CONTEXT + i),
+              attended(16, SHORT_CONTEXT + i), attended(16, LONG_CONTEXT + i)) for i, drift in enumerate((1.0, 1.3, 0.9))]
+    assert _per_position(pairs) == pytest.approx(2e-6)
+    short = {t: s + 2e-6 * attended(t, SHORT_CONTEXT) for t, s in base.items()}
+    curve = _fit(short, _one_request, _per_position(pairs))
+    assert curve.per_context == pytest.approx(2e-6)
+    for t, s in base.items():
+        assert curve(t) == pytest.approx(s)
+        assert curve(t, attended(t, 400)) == pytest.approx(s + 2e-6 * attended(t, 400))

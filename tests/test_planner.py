@@ -59,7 +59,7 @@ def admit(confidences: list[list[float]], price: float, k: int = 4, explore: lis
     counts = [len(row) for row in confidences]
     explore_mask = torch.tensor(explore if explore else [False] * len(counts), dtype=torch.bool)
     plan = p.plan(drafts_for(counts, k), scores_of(confidences, k),
-                  DraftPlan(counts, None, explore_mask, price, pending_tokens=len(counts)))
+                  DraftPlan(counts, None, explore_mask, price, tuple(RequestShape(1, 0) for _ in counts)))
     return plan.num_admitted.tolist()
 
 
@@ -134,12 +134,28 @@ def linear(fixed: float, per: float):
 
 def test_select_prefix_takes_the_candidates_that_pay_jointly():
     # one forward costs 1 + 0.1 per row, each verified slot 0.1; price 1
-    assert select_prefix([0.6, 0.5], [1, 1], 0, 1.0, linear(1.0, 0.1), 0.1) == 0  # 1.1 < 1.2 + 0.2
-    assert select_prefix([0.9, 0.8], [1, 1], 0, 1.0, linear(1.0, 0.1), 0.1) == 2  # 1.7 > 1.2 + 0.2
-    assert select_prefix([0.9] * 4, [1] * 4, 0, 1.0, linear(1.0, 0.1), 0.1) == 4  # 3.6 > 1.4 + 0.4
-    assert select_prefix([0.9, 0.1], [1, 1], 0, 1.0, linear(0.5, 0.1), 0.1) == 1  # the second does not pay
-    assert select_prefix([0.3, 0.25], [1, 1], 2, 1.0, linear(1.0, 0.1), 0.1) == 2  # forward already paid for
-    assert select_prefix([], [], 0, 1.0, linear(1.0, 0.1), 0.1) == 0
+    assert select_prefix([0.6, 0.5], [1, 1], 0, 1.0, linear(1.0, 0.1), [0.1] * 2) == 0  # 1.1 < 1.2 + 0.2
+    assert select_prefix([0.9, 0.8], [1, 1], 0, 1.0, linear(1.0, 0.1), [0.1] * 2) == 2  # 1.7 > 1.2 + 0.2
+    assert select_prefix([0.9] * 4, [1] * 4, 0, 1.0, linear(1.0, 0.1), [0.1] * 4) == 4  # 3.6 > 1.4 + 0.4
+    assert select_prefix([0.9, 0.1], [1, 1], 0, 1.0, linear(0.5, 0.1), [0.1] * 2) == 1  # the second does not pay
+    assert select_prefix([0.3, 0.25], [1, 1], 2, 1.0, linear(1.0, 0.1), [0.1] * 2) == 2  # forward already paid for
+    assert select_prefix([], [], 0, 1.0, linear(1.0, 0.1), []) == 0
+    # a candidate's own costs (its slot attends to a long context) count against its gain alone
+    assert select_prefix([0.9, 0.8], [1, 1], 0, 1.0, linear(0.5, 0.1), [0.1, 0.8]) == 1  # 0.8 < 0.1 + 0.8
+
+
+def test_a_slot_of_a_long_request_costs_more_to_draft_and_verify():
+    """Attention is priced per attended position: with equal gains, the request with the shorter
+    context drafts first, and a long enough context stops a slot that would pay over a short one."""
+    verify = CostCurve.fit({1: 1.0, 64: 1.0 + 63 * 0.1}, per_context=0.001)
+    draft = CostCurve.fit({1: 0.22, 64: 0.2 + 64 * 0.02}, per_context=0.001)
+    p = AdaptivePlanner(4, OnlineAcceptanceEstimator(4), CostModel(CostProfile(verify, draft), halflife=FROZEN),
+                        AdaptiveConfig(exploration=0.0))
+    # price 1 token/s: a slot of gain 0.5 costs 0.02 (row) + 0.1 (verify) + 0.002 * attended
+    assert p.choose([0.5, 0.5], [1, 1], 1, 1.0, 4, [1000, 10]) == [1]  # 0.12 + 2.0 > 0.5: the long one stops
+    assert p.choose([0.5, 0.5], [1, 1], 1, 1.0, 4, [100, 10]) == [1, 0]  # both pay, the short one first
+    model = p.cost
+    assert model.verify_added(4, 1, 1000) - model.verify_added(4, 1, 10) == pytest.approx(990 * 0.001)
 
 
 def requests(n: int) -> list[Request]:
@@ -155,6 +171,29 @@ def test_stop_rule_continues_confident_requests_and_stops_doubtful_ones():
     # features: request 0 very confident (logit 6 -> q_max ~ 0.998), request 1 doubtful (logit -2)
     keep = plan.stop_rule.keep_drafting(0, [0, 1], {"logit_q_max": torch.tensor([6.0, -2.0])})
     assert keep.tolist() == [True, False]
+
+
+def test_stop_rule_values_the_block_ahead_not_the_next_slot_alone():
+    """Verifying slot 2 costs 1 s, every later slot 0.01 s: slot 2 alone does not pay at price 1
+    (its expected 0.8 tokens < 1 s), slots 2..4 together do, so the rule drafts on. With the same
+    costs made linear the block is worth no more than its first slot and the rule stops."""
+    def drafts_slot_2(verify: CostCurve) -> bool:
+        draft = CostCurve.fit({1: 0.01, 64: 0.64})
+        p = AdaptivePlanner(4, OnlineAcceptanceEstimator(4), CostModel(CostProfile(verify, draft), halflife=FROZEN),
+                            AdaptiveConfig(exploration=0.0))
+        p.speedup, p.population_feature = 1.0, 6.0
+        p.target_only_rate = lambda shapes: 1.0  # price 1 token per second
+        plan = p.draft_plan(requests(1), [4], [RequestShape(1, 0)])
+        assert plan.num_slots == [4]
+        feature = torch.tensor([2.2])
+        c = p.scorer.score(feature[:, None].expand(1, 4).to(torch.float64))[0]
+        assert 0.7 < float(c[0] * c[1]) < 1.0  # slot 2 alone: expected tokens below its cost
+        return bool(plan.stop_rule.keep_drafting(0, [0], {"logit_q_max": feature})[0])
+
+    jump = CostCurve.fit({1: 1.0, 2: 1.0, 3: 2.0, 64: 2.0 + 61 * 0.01})
+    assert drafts_slot_2(jump)  # the block 2..4 pays
+    linear_cost = CostCurve.fit({1: 1.0, 2: 1.0, 64: 1.0 + 62 * 1.0})
+    assert not drafts_slot_2(linear_cost)
 
 
 def test_stop_rule_keeps_exploring_requests_whatever_their_features():
@@ -199,7 +238,7 @@ def test_the_probe_budget_grows_by_its_share_of_measured_steps():
     class Record:  # what observe reads of a step record, for a step where nothing drafted
         requests, times = [], StageTimes(0.0, 0.08, 0.1)
         drafts = type("D", (), {"forwards": [], "num_drafted": torch.zeros(0, dtype=torch.int64)})()
-        verify_tokens, verify_context = 1, 10
+        verify_tokens, verify_attended = 1, 10
         scores = Scores.empty(0)
 
     for _ in range(4):

@@ -51,7 +51,7 @@ class _Step:
     """What the oracle replay needs of one static K=8 step."""
 
     pending: int
-    context: int
+    attended: int  # key positions the K=8 verify attended to
     accepted: list[int]
     forwards: list[tuple[int, int]]
     admitted: int
@@ -143,7 +143,7 @@ def run(target, drafter, method: str, k: int, adaptive: bool, prompts: list[list
 
 def _replay_step(record: StepRecord) -> _Step:
     admitted = int(record.num_admitted.sum())
-    return _Step(record.verify_tokens - admitted, record.verify_context, record.num_accepted.tolist(),
+    return _Step(record.verify_tokens - admitted, record.verify_attended, record.num_accepted.tolist(),
                  list(record.drafts.forwards), admitted)
 
 
@@ -153,15 +153,18 @@ def oracle(k8: Run, profile: CostProfile) -> Run:
     predicted_k8 = predicted_oracle = 0.0
     drafted = 0
     for step in k8.replay:
-        predicted_k8 += cost.predict(step.forwards, step.pending + step.admitted, step.context).total
+        verified = step.pending + step.admitted
+        predicted_k8 += cost.predict(step.forwards, verified, step.attended).total
+        per_token = step.attended / max(verified, 1)  # attention's work per verified token, and per drafted row:
+        per_row = sum(a for _, a in step.forwards) / max(sum(t for t, _ in step.forwards), 1)
         depth = max(step.accepted, default=0)
-        per_row_context = step.context / max(len(step.accepted), 1)
         forwards = []
         for j in range(1, depth + 1):
             rows = sum(1 for a in step.accepted if a >= j)
-            forwards.append((rows, int(rows * per_row_context)))
+            forwards.append((rows, int(rows * per_row)))
         drafted += sum(step.accepted)
-        predicted_oracle += cost.predict(forwards, step.pending + sum(step.accepted), step.context).total
+        oracle_verified = step.pending + sum(step.accepted)
+        predicted_oracle += cost.predict(forwards, oracle_verified, int(oracle_verified * per_token)).total
     seconds = k8.seconds * predicted_oracle / predicted_k8 if predicted_k8 else float("nan")
     return Run("oracle", k8.tokens, seconds, k8.steps, drafted, drafted)
 

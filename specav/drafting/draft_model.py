@@ -27,7 +27,7 @@ from specav.drafting.base import StopRule, register
 from specav.models.kv_cache import KVCache
 from specav.models.packed import PackedCausalLM
 from specav.request import Request
-from specav.types import AcceptResult, DraftBatch, Ragged
+from specav.types import AcceptResult, DraftBatch, Ragged, attended
 from specav.verification.sampling import sample
 from specav.verification.sampling_rows import SamplingRows
 
@@ -69,7 +69,8 @@ class DraftModelDrafter:
             if not active:
                 break
             feed = [states[i].pending if slot == 0 else [int(token_ids[i, slot - 1])] for i in active]
-            forwards.append((sum(len(f) for f in feed), sum(states[i].cache.length for i in active)))
+            forwards.append((sum(len(f) for f in feed),
+                             sum(attended(len(f), states[i].cache.length) for f, i in zip(feed, active))))
             out = self.model.forward(feed, [states[i].cache for i in active], [1] * len(active))
             rows = SamplingRows.of([requests[i] for i in active], [1] * len(active),
                                    [token_ids[i, :slot].tolist() for i in active], model="drafter")

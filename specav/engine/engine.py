@@ -183,7 +183,8 @@ class Engine:
         clock.lap("verify")
         result = self._accept(batch, drafts, plan, target_probs)
         record = StepRecord(self.stats.steps, batch, drafts, scores, plan, result, clock.times(), max_slots,
-                            sum(s.pending for s in shapes) + plan.admitted.total, sum(s.context for s in shapes),
+                            sum(s.pending for s in shapes) + plan.admitted.total,
+                            sum(s.attended(k) for s, k in zip(shapes, plan.num_admitted.tolist())),
                             sum(s.pending for s, r in zip(shapes, batch) if not r.output_ids))
         self._observe(record)
         return ended + self._commit(record, clock)

@@ -2,7 +2,9 @@
 
 Owns: measuring the two stages through the stages themselves (the drafter's `propose` for one
 slot of A requests, the verifier's `verify` of T tokens), each at a grid of sizes on a short
-context and once on a longer one (the per-cached-position term), and caching the result per
+context and once on a longer one with many tokens (attention's seconds per attended position:
+per token and per cached position, so one token over a long context would barely show it),
+and caching the result per
 machine (CPU model and flags, torch, native kernel build), models, dtype and threads in
 `<cache>/cost-profile.json`. `specav profile` prints it. The cost model
 (verification/cost_model.py) turns the profile into predictions and corrects it online.
@@ -27,7 +29,7 @@ from specav.engine.target import TargetVerifier
 from specav.models.cache import atomic_write
 from specav.models.threads import ThreadChoice
 from specav.request import Request
-from specav.types import AcceptResult
+from specav.types import AcceptResult, attended
 from specav.verification.cost_model import CostCurve, CostProfile
 
 PROFILE_FILE = "cost-profile.json"
@@ -35,7 +37,9 @@ VERIFY_TOKENS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 64)  # past 64 the
 DRAFT_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 SHORT_CONTEXT, LONG_CONTEXT = 64, 576
 CATCH_UP = 128  # tokens of one request in one drafter forward: a catch-up (a new prompt, skipped tokens)
-PROFILE_VERSION = 3  # bumped when what is measured, or how, changes (2: thread policy warmed first; 3: catch-up)
+PROFILE_VERSION = 4  # bumped when what is measured, or how, changes (2: thread policy warmed first; 3: catch-up;
+#                     4: attention priced per attended position)
+ATTENTION_TOKENS = 16  # the verify that measures attention's per-position cost (or the largest measured)
 REPEATS = 3
 _PARAMS = SamplingParams(temperature=0.7, top_k=20, top_p=0.8, max_tokens=1 << 20)  # the usual sampling
 
@@ -87,8 +91,10 @@ def measure_profile(verifier: TargetVerifier, drafter: Drafter | None, max_verif
                     max_draft_rows: int, key: str = "", progress: bool = True) -> CostProfile:
     """Time the verify stage at VERIFY_TOKENS (up to max_verify_tokens) and the draft stage at
     DRAFT_ROWS (up to max_draft_rows), median of REPEATS each, on a SHORT_CONTEXT-token context;
-    each stage once more at LONG_CONTEXT for its seconds per cached position; the draft stage also
-    at a CATCH_UP-token forward of one request (what a catch-up costs, past the rows measured)."""
+    the draft stage also at a CATCH_UP-token forward of one request (what a catch-up costs, past
+    the rows measured). Attention's seconds per attended position: the ATTENTION_TOKENS verify and
+    the catch-up once more over LONG_CONTEXT; the curves keep the rest (each point less its
+    attention over the short context)."""
     gen = torch.Generator().manual_seed(0)
     vocab = verifier.model.vocab_size
     verify_sizes = [t for t in VERIFY_TOKENS if t <= max(1, max_verify_tokens)]
@@ -106,17 +112,94 @@ def measure_profile(verifier: TargetVerifier, drafter: Drafter | None, max_verif
     if draft_sizes:
         _time_catch_up(drafter, CATCH_UP, SHORT_CONTEXT, vocab, gen, warmup)
     verify = {t: _time_verify(verifier, t, SHORT_CONTEXT, vocab, gen) for t in verify_sizes}
-    verify_long = _time_verify(verifier, 1, LONG_CONTEXT, vocab, gen)
-    verify_curve = CostCurve.fit(verify, (verify_long - verify[1]) / (LONG_CONTEXT - SHORT_CONTEXT))
+    t = max(s for s in verify_sizes if s <= ATTENTION_TOKENS)
+    verify_curve = _fit(verify, _one_request, _verify_attention(verifier, t, vocab, gen))
     draft_curve = None
     if drafter is not None:
         draft = {a: _time_draft(drafter, a, SHORT_CONTEXT, vocab, gen) for a in draft_sizes}
         draft[CATCH_UP] = _time_catch_up(drafter, CATCH_UP, SHORT_CONTEXT, vocab, gen)  # past DRAFT_ROWS
-        draft_long = _time_draft(drafter, 1, LONG_CONTEXT, vocab, gen)
-        draft_curve = CostCurve.fit(draft, (draft_long - draft[1]) / (LONG_CONTEXT - SHORT_CONTEXT))
+        draft_curve = _fit(draft, _draft_attention, _catch_up_attention(drafter, CATCH_UP, vocab, gen))
     if progress:
         print(f"specav: profiled in {time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
     return CostProfile(verify_curve, draft_curve, key)
+
+
+def _one_request(tokens: int, context: int) -> int:
+    """Positions a measured verify attends to: one request's `tokens` over `context`."""
+    return attended(tokens, context)
+
+
+def _draft_attention(rows: int, context: int) -> int:
+    """Positions a measured drafter forward attends to: `rows` requests' one token each, or the catch-up."""
+    return attended(CATCH_UP, context) if rows == CATCH_UP else rows * attended(1, context)
+
+
+def _fit(short: dict[int, float], attention, per_position: float) -> CostCurve:
+    """A curve from points measured over SHORT_CONTEXT, each less its attention (attention(size,
+    context): the positions a measured point attends to), plus attention's seconds per position."""
+    per_position = max(0.0, per_position)
+    return CostCurve.fit({size: max(0.0, s - per_position * attention(size, SHORT_CONTEXT)) for size, s in short.items()},
+                         per_position)
+
+
+def _per_position(pairs: list[tuple[float, float, int, int]]) -> float:
+    """Median over (seconds short, seconds long, attended short, attended long) pairs of the
+    seconds per attended position (timed back to back, so the machine's drift cancels)."""
+    return statistics.median((long - short) / (a_long - a_short) for short, long, a_short, a_long in pairs)
+
+
+def _verify_attention(verifier: TargetVerifier, tokens: int, vocab: int, gen: torch.Generator,
+                      repeats: int = 7) -> float:
+    """Attention's seconds per attended position in the verify stage: `tokens` tokens of a request
+    over SHORT_CONTEXT then of one over LONG_CONTEXT, back to back, `repeats` times."""
+    short, long = _dummy_requests(1, SHORT_CONTEXT, vocab, gen)[0], _dummy_requests(1, LONG_CONTEXT, vocab, gen)[0]
+    short.request_id, long.request_id = "profile-short", "profile-long"
+    try:
+        for r in (short, long):  # prefill
+            verifier.verify([r], [[]])
+            verifier.commit([r], [0], AcceptResult(torch.zeros(1, dtype=torch.int64), [[0]]))
+        pairs = []
+        for _ in range(repeats):
+            pair = []
+            for r in (short, long):
+                slots = torch.randint(0, vocab, (tokens - 1,), generator=gen).tolist()
+                context = verifier.shapes([r])[0].context
+                start = time.perf_counter()
+                verifier.verify([r], [slots])
+                pair += [time.perf_counter() - start, attended(tokens, context)]
+                verifier.commit([r], [len(slots)], AcceptResult(torch.zeros(1, dtype=torch.int64), [[slots[0]]]))
+            pairs.append((pair[0], pair[2], pair[1], pair[3]))
+        return _per_position(pairs)
+    finally:
+        verifier.release(short)
+        verifier.release(long)
+
+
+def _catch_up_attention(drafter: Drafter, tokens: int, vocab: int, gen: torch.Generator, repeats: int = 7) -> float:
+    """Attention's seconds per attended position in the draft stage: a `tokens`-token catch-up of a
+    request over SHORT_CONTEXT then of one over LONG_CONTEXT, back to back, `repeats` times."""
+    short, long = _dummy_requests(1, SHORT_CONTEXT, vocab, gen)[0], _dummy_requests(1, LONG_CONTEXT, vocab, gen)[0]
+    short.request_id, long.request_id = "profile-short", "profile-long"
+    try:
+        for r in (short, long):  # prefill
+            drafts = drafter.propose([r], [1])
+            drafter.commit([r], drafts, AcceptResult(torch.zeros(1, dtype=torch.int64), [[0]]))
+        pairs = []
+        for _ in range(repeats):
+            pair = []
+            for r in (short, long):
+                skipped = torch.randint(0, vocab, (tokens - 1,), generator=gen).tolist()
+                idle = drafter.propose([r], [0])
+                drafter.commit([r], idle, AcceptResult(torch.zeros(1, dtype=torch.int64), [skipped]))
+                start = time.perf_counter()
+                drafts = drafter.propose([r], [1])
+                pair += [time.perf_counter() - start, drafts.forwards[0][1]]  # seconds, positions attended
+                drafter.commit([r], drafts, AcceptResult(torch.zeros(1, dtype=torch.int64), [[0]]))
+            pairs.append((pair[0], pair[2], pair[1], pair[3]))
+        return _per_position(pairs)
+    finally:
+        drafter.release(short)
+        drafter.release(long)
 
 
 def _dummy_requests(n: int, context: int, vocab: int, gen: torch.Generator) -> list[Request]:
@@ -187,12 +270,12 @@ def format_profile(profile: CostProfile) -> str:
     lines = [f"cost profile: {profile.key}", "verify stage (target forward + processed distributions):",
              "  tokens  " + " ".join(f"{t:>7d}" for t in profile.verify.tokens),
              "  ms      " + " ".join(f"{s * 1e3:7.2f}" for s in profile.verify.seconds),
-             f"  + {profile.verify.per_context * 1e6:.3f} us per cached position"]
+             f"  + {profile.verify.per_context * 1e6:.3f} us per attended position (tokens x cached positions)"]
     if profile.draft is not None:
         lines += [f"draft stage, one slot (drafter forward + sampling + features; {CATCH_UP}: one request's catch-up):",
                   "  rows    " + " ".join(f"{t:>7d}" for t in profile.draft.tokens),
                   "  ms      " + " ".join(f"{s * 1e3:7.2f}" for s in profile.draft.seconds),
-                  f"  + {profile.draft.per_context * 1e6:.3f} us per cached position",
+                  f"  + {profile.draft.per_context * 1e6:.3f} us per attended position",
                   f"  one drafter slot / one target token: {profile.draft(1) / profile.verify(1):.2f}"]
     v1 = profile.verify(1)
     lines.append("  verify cost relative to one token: " + ", ".join(

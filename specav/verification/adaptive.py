@@ -12,13 +12,16 @@ never be slower.
 Rules (survival s_i = product of a request's confidences 1..i, architecture.md):
 
 * Draft (before each drafter forward j = 1..K, the early stop). Each request that may draft
-  slot j expects gain g = s_{j-1} * c_j, where c_j is the estimator's confidence at position j
-  for the request's latest feature (slot j-1's, or for j = 1 its history from earlier steps:
-  the no-draft decision, where g is the value of the request's best predicted block, since the
-  first verified slot costs more than the next ones). Sorted by g, the requests drafting slot
-  j are the prefix n that maximises sum(g) - lambda * (drafter forward over their tokens + n
-  verified tokens); n = 0 stops drafting. Lossless: it reads q_1..q_{j-1} of the request and anything of the others,
-  never x_j or what follows from it.
+  slot j expects gain g = the value of its best block from slot j on: sum over i = j..n of
+  s_{j-1} * c_j * ... * c_i, less the price of its slots past j, maximised over n, where the
+  confidences are the estimator's at each position for the request's latest feature (slot
+  j-1's, or for j = 1 its history from earlier steps: the no-draft decision). A block, not slot
+  j alone, because the first verified slot costs more than the next ones and a drafted slot
+  opens the deeper ones: valued alone, slots that pay as a block would stop. Sorted by net gain (g less the price of
+  its slot's own costs), the requests drafting slot j are the prefix n that maximises sum(g) -
+  lambda * (drafter forward over their tokens + their n verified slots + attention to their
+  contexts in both models); n = 0 stops drafting. Lossless: it reads q_1..q_{j-1} of the
+  request and anything of the others, never x_j or what follows from it.
 * Skip and probe. A request the rule leaves out at slot 1 does not draft for `probe_interval`
   steps (it decodes target-only; its drafter catches up on the skipped tokens in one packed
   forward when it drafts again), then drafts slot 1 whatever the rule says, so fresh features
@@ -39,11 +42,13 @@ Rules (survival s_i = product of a request's confidences 1..i, architecture.md):
   whose drafter has the fewest tokens to catch up on; the others wait one step for the
   population's features, which then stand in for a new request's own history.
 * Admit (the plan stage, the trim). Drafting is sunk by then, so a slot pays if its survival
-  s >= lambda * (marginal verify seconds). All drafted slots of the batch are scanned in
-  descending survival (ties by position, then by request), admitting while the slot pays and
-  stopping at the first that does not. A request's survival never rises along its draft, so
-  its admitted slots are a prefix; whether slot i is admitted depends only on slots ranked
-  above it, which are other requests' slots and its own shallower ones: lossless. (An argmax
+  s >= lambda * (marginal verify seconds, attention to the request's context included). All
+  drafted slots of the batch are scanned in descending survival (ties by position, then by
+  request), admitting each slot that pays; the first of a request's slots that does not pay
+  closes the request (its deeper slots survive less and cost as much). A request's survival
+  never rises along its draft, so its admitted slots are a prefix; whether slot i is admitted
+  depends only on slots ranked above it, which are other requests' slots and its own shallower
+  ones: lossless. (An argmax
   over budgets would look at the request's deeper slots and is lossy: tests/test_adaptive.py
   shows the distribution tests catch it.)
 * Explore. Each step every request, with a probability drawn from the planner's own generator
@@ -68,7 +73,7 @@ from specav.acceptance.features import require_lossless
 from specav.acceptance.scorer import Scorer, score_column
 from specav.config import AdaptiveConfig
 from specav.request import Request
-from specav.types import DraftBatch, Plan, Scores, StepRecord
+from specav.types import DraftBatch, Plan, Scores, StepRecord, attended
 from specav.verification.cost_model import CostModel, _decay
 from specav.verification.planner import DraftPlan, RequestShape, register
 
@@ -89,21 +94,23 @@ class _History:
 
 
 def select_prefix(gains: Sequence[float], tokens: Sequence[int], committed_tokens: int, price: float,
-                  forward_seconds, verify_marginal: float) -> int:
-    """How many of the candidates (sorted by gain, descending) join a forward.
+                  forward_seconds, slot_seconds: Sequence[float]) -> int:
+    """How many of the candidates (in the order given: best first) join a forward.
 
     gains: expected tokens of each candidate's next slot; tokens: what each feeds the forward;
     committed_tokens: tokens already in the forward (0: the forward's whole cost is at stake);
-    forward_seconds(tokens) -> seconds; verify_marginal: seconds per verified slot.
+    forward_seconds(tokens) -> seconds; slot_seconds: what each candidate's slot costs beyond its
+    tokens' share of the forward (verifying it, and attention in both models).
     Maximises sum(gains[:n]) - price * (forward(committed + tokens[:n]) - forward(committed)
-    + n * verify_marginal) over n.
+    + sum(slot_seconds[:n])) over n.
     """
     base = forward_seconds(committed_tokens) if committed_tokens else 0.0
-    best_n, best, gain, fed = 0, 0.0, 0.0, committed_tokens
-    for n, (g, t) in enumerate(zip(gains, tokens), start=1):
+    best_n, best, gain, fed, extra = 0, 0.0, 0.0, committed_tokens, 0.0
+    for n, (g, t, e) in enumerate(zip(gains, tokens, slot_seconds), start=1):
         gain += g
         fed += t
-        value = gain - price * (forward_seconds(fed) - base + n * verify_marginal)
+        extra += e
+        value = gain - price * (forward_seconds(fed) - base + extra)
         if value > best:
             best_n, best = n, value
     return best_n
@@ -113,13 +120,13 @@ class _SurvivalStop:
     """The draft rule for one step: after each slot, which requests draft the next one."""
 
     def __init__(self, planner: "AdaptivePlanner", forced: torch.Tensor, price: float, verify_tokens: int,
-                 contexts: Sequence[int]) -> None:
+                 shapes: Sequence[RequestShape]) -> None:
         self.planner = planner
         self.forced = forced  # [B] bool: exploring requests draft every slot
         self.price = price
         self.survival = torch.ones(forced.shape[0], dtype=torch.float64)  # [B] s_j of the last drafted slot
         self.verify_tokens = verify_tokens  # tokens verification will pack if every drafted slot is admitted
-        self.contexts = contexts
+        self.shapes = shapes
 
     def keep_drafting(self, slot: int, rows: Sequence[int], features: dict[str, torch.Tensor]) -> torch.Tensor:
         p = self.planner
@@ -130,10 +137,11 @@ class _SurvivalStop:
         keep = self.forced[idx].clone()  # [A]
         if slot + 1 >= p.num_slots:
             return keep
-        gains = self.survival[idx] * torch.nan_to_num(score_column(p.scorer, f, slot + 1, p.num_slots), nan=0.0)
         free = (~keep).nonzero().flatten().tolist()
-        chosen = p.choose(gains[free].tolist(), [1] * len(free), int(keep.sum()), self.price,
-                          self.verify_tokens, sum(self.contexts[r] for r in rows))
+        attended = [self.shapes[rows[j]].slot_attended + slot + 1 for j in free]
+        gains = p.block_gains(f[free], self.survival[idx][free], slot + 1, self.price, self.verify_tokens,
+                              p._draft_row(len(rows)), attended)
+        chosen = p.choose(gains, [1] * len(free), int(keep.sum()), self.price, self.verify_tokens, attended)
         for j in chosen:
             keep[free[j]] = True
         return keep
@@ -176,19 +184,22 @@ class AdaptivePlanner:
         (a block is K drafter forwards and K more verified tokens, priced as if nothing else drafted)."""
         if self.config.exploration <= 0 or not shapes:
             return 0.0
-        pending, context = sum(s.pending for s in shapes), sum(s.context for s in shapes)
+        pending = sum(s.pending for s in shapes)
+        slot_attended = sum(s.slot_attended for s in shapes) / len(shapes)
         step = len(shapes) / self.target_only_rate(shapes)  # a decoding step, not this step's prefill
-        block = self.num_slots * self.cost.draft_seconds(1) + \
-            self.cost.verify_seconds(pending + self.num_slots, context) - self.cost.verify_seconds(pending, context)
+        block = self.num_slots * self.cost.draft_seconds(1, slot_attended) + \
+            self.cost.verify_added(pending, self.num_slots, self.num_slots * slot_attended)
         return min(1.0, self.config.exploration * step / (len(shapes) * max(block, 1e-12)))
 
     def choose(self, gains: list[float], tokens: list[int], committed_tokens: int, price: float,
-               verify_tokens: int, context: int) -> list[int]:
-        """Indices of the candidates that join the next drafter forward (the draft rule)."""
-        order = sorted(range(len(gains)), key=lambda i: (-gains[i], i))
-        verify_marginal = self.cost.verify_seconds(verify_tokens + 1) - self.cost.verify_seconds(verify_tokens)
+               verify_tokens: int, attended: list[int]) -> list[int]:
+        """Indices of the candidates that join the next drafter forward (the draft rule); attended:
+        the positions each candidate's slot attends to (in both models)."""
+        verify_marginal, per_position = self.cost.verify_added(verify_tokens, 1), self.cost.per_position()
+        extra = [verify_marginal + per_position * a for a in attended]
+        order = sorted(range(len(gains)), key=lambda i: (-(gains[i] - price * extra[i]), i))  # best net gain first
         n = select_prefix([gains[i] for i in order], [tokens[i] for i in order], committed_tokens, price,
-                          lambda t: self.cost.draft_seconds(t, context), verify_marginal)
+                          self.cost.draft_seconds, [extra[i] for i in order])
         return order[:n]
 
     # ---- draft ---------------------------------------------------------------------------
@@ -204,8 +215,8 @@ class AdaptivePlanner:
         num_slots = [0] * b
         forced: list[int] = []
         candidates: list[int] = []
-        rate = self.target_only_rate(shapes)  # what a catch-up must beat, and its block's seconds (1..K slots)
-        entry_seconds = self._block_seconds(sum(s.pending for s in shapes), self._draft_row(len(shapes)))
+        rate = self.target_only_rate(shapes)  # what a catch-up must beat, and a row's share of a forward
+        entry_row = self._draft_row(len(shapes))
         for i in self._cold_start(requests, max_slots, shapes):
             forced.append(i)
             num_slots[i] = max_slots[i]
@@ -223,8 +234,7 @@ class AdaptivePlanner:
                 h.wait -= 1
                 h.probing = h.wait == 0
                 continue
-            elif shapes[i].draft_pending > _CAUGHT_UP and not self._entry_pays(request, shapes[i], rate,
-                                                                                   entry_seconds):
+            elif shapes[i].draft_pending > _CAUGHT_UP and not self._entry_pays(request, shapes, i, rate, entry_row):
                 h.wait = h.interval  # catching up would not pay: decode target-only, probe later
                 continue
             else:
@@ -236,9 +246,8 @@ class AdaptivePlanner:
                 num_slots[i] = 0
                 h = self._history(requests[i])
                 h.wait = h.interval
-        verify_tokens = sum(s.pending for s in shapes)
-        stop = _SurvivalStop(self, explore.clone(), price, verify_tokens, [s.context for s in shapes])
-        return DraftPlan(num_slots, stop, explore, price, verify_tokens, sum(s.context for s in shapes))
+        stop = _SurvivalStop(self, explore.clone(), price, sum(s.pending for s in shapes), shapes)
+        return DraftPlan(num_slots, stop, explore, price, tuple(shapes))
 
     def _cold_start(self, requests: Sequence[Request], max_slots: Sequence[int],
                     shapes: Sequence[RequestShape]) -> list[int]:
@@ -249,13 +258,16 @@ class AdaptivePlanner:
                    if m > 0 and math.isnan(self._predictor(self._history(r)))]
         return [min(unknown, key=lambda i: (shapes[i].draft_pending, i))] if unknown else []
 
-    def _entry_pays(self, request: Request, shape: RequestShape, rate: float, block_seconds: torch.Tensor) -> bool:
-        """Whether a request's drafter should catch up (a new request's prompt, or tokens skipped):
+    def _entry_pays(self, request: Request, shapes: Sequence[RequestShape], i: int, rate: float,
+                    draft_row: float) -> bool:
+        """Whether request i's drafter should catch up (a new request's prompt, or tokens skipped):
         an investment, worth it when drafting is predicted to beat target-only decoding (`rate`
         tokens per second) by more over the request's remaining tokens than the catch-up costs.
-        Predicted from the request's feature history at every slot; block_seconds # [K]: what
-        drafting and verifying 1..K of its slots add to a step."""
-        expected = self._predicted_blocks([request])[0]
+        Predicted from the request's feature history at every slot, its block priced at `draft_row`
+        seconds per drafted row."""
+        shape = shapes[i]
+        expected = self._predicted_blocks(self._history_features([request]), torch.ones(1, dtype=torch.float64))[0]
+        block_seconds = self._block_seconds(sum(s.pending for s in shapes), draft_row, [shape.slot_attended])[0]
         values = expected - rate * block_seconds
         best = int(values.argmax())
         if values[best] <= 0:
@@ -265,12 +277,13 @@ class AdaptivePlanner:
 
     def _catch_up_seconds(self, shape: RequestShape) -> float:
         """What feeding a request's pending tokens adds to its first drafter forward, beyond one row."""
-        return self.cost.draft_seconds(shape.draft_pending, shape.context) - self.cost.draft_seconds(1, shape.context)
+        d, context = shape.draft_pending, shape.draft_context
+        return self.cost.draft_seconds(d, attended(d, context)) - self.cost.draft_seconds(1, context + d - 1)
 
     def _pay_probe(self, shape: RequestShape) -> bool:
         """Whether the probe budget covers this probe (and if so, take its price from it)."""
-        price = self._catch_up_seconds(shape) + self.cost.draft_seconds(1, shape.context) + \
-            self.cost.verify_seconds(shape.pending + 1, shape.context) - self.cost.verify_seconds(shape.pending, shape.context)
+        price = self._catch_up_seconds(shape) + self.cost.draft_seconds(1, shape.slot_attended) + \
+            self.cost.verify_added(shape.pending, 1, shape.slot_attended)
         if price > self.probe_budget:
             return False
         self.probe_budget -= price
@@ -286,32 +299,52 @@ class AdaptivePlanner:
             return set()
         verify_tokens = sum(s.pending for s in shapes) + len(forced)
         draft_row = self._draft_row(len(candidates) + len(forced))  # deeper slots' rows, if all of them draft
-        seconds = self._block_seconds(verify_tokens, draft_row)
-        beyond = seconds - seconds[0]  # [K] what slots 2..n add to slot 1's cost (priced by choose)
-        blocks = self._predicted_blocks([requests[i] for i in candidates])  # [A, K]
-        gains = (blocks - price * beyond).max(dim=1).values.tolist()
-        context = sum(shapes[i].context for i in candidates + forced)
-        chosen = self.choose(gains, [1] * len(candidates), len(forced), price, verify_tokens, context)
+        slot_attended = [shapes[i].slot_attended for i in candidates]
+        history = self._history_features([requests[i] for i in candidates])
+        gains = self.block_gains(history, torch.ones(len(candidates), dtype=torch.float64), 0, price,
+                                 verify_tokens, draft_row, slot_attended)
+        chosen = self.choose(gains, [1] * len(candidates), len(forced), price, verify_tokens, slot_attended)
         return {candidates[j] for j in chosen}
 
-    def _predicted_blocks(self, requests: Sequence[Request]) -> torch.Tensor:
-        """Expected accepted tokens of drafting 1..K slots, per request # [A, K], predicted from each
-        request's feature history at every position (nothing of this step's drafts)."""
-        history = torch.tensor([self._predictor(self._history(r)) for r in requests], dtype=torch.float64)
-        features = history[:, None].expand(len(requests), self.num_slots)  # [A, K]
-        confidences = torch.nan_to_num(self.scorer.score(features), nan=0.0)
-        return torch.cumsum(survival(confidences), dim=1)
+    def block_gains(self, features: torch.Tensor, prefix: torch.Tensor, start: int, price: float,
+                    verify_tokens: int, draft_row: float, slot_attended: Sequence[int]) -> list[float]:
+        """Per request, the value of its best block from 0-based slot `start` on, less what its slots
+        beyond the first cost (the first slot's cost is the draft rule's to price, jointly with the
+        other requests'): the first verified slot costs the most (measured costs are not convex), so
+        a rule that valued the next slot alone would stop requests whose blocks pay. features # [A]:
+        each request's latest feature, standing in for its deeper slots'; prefix # [A]: its survival
+        up to slot `start` (exclusive)."""
+        expected = self._predicted_blocks(features, prefix, start)  # [A, K - start]
+        seconds = self._block_seconds(verify_tokens, draft_row, slot_attended)[:, :expected.shape[1]]
+        return (expected - price * (seconds - seconds[:, :1])).max(dim=1).values.tolist()
 
-    def _block_seconds(self, verify_tokens: int, draft_row: float) -> torch.Tensor:
-        """Seconds that drafting and verifying 1..K slots of one request add to the step # [K]."""
-        base = self.cost.verify_seconds(verify_tokens)
-        return torch.tensor([n * draft_row + self.cost.verify_seconds(verify_tokens + n) - base
-                             for n in range(1, self.num_slots + 1)], dtype=torch.float64)
+    def _history_features(self, requests: Sequence[Request]) -> torch.Tensor:
+        """Each request's predictor of its next slot 1 # [A] (its history, see _predictor)."""
+        return torch.tensor([self._predictor(self._history(r)) for r in requests], dtype=torch.float64)
+
+    def _predicted_blocks(self, features: torch.Tensor, prefix: torch.Tensor, start: int = 0) -> torch.Tensor:
+        """Expected accepted tokens of drafting slots start..start+n-1, n = 1..K-start, per request
+        # [A, K - start], every deeper slot predicted from the request's feature # [A] (nothing of
+        this step's drafts past it), after a prefix of survival # [A]."""
+        expanded = features[:, None].expand(features.shape[0], self.num_slots)  # [A, K]
+        confidences = torch.nan_to_num(self.scorer.score(expanded), nan=0.0)[:, start:]
+        return torch.cumsum(prefix[:, None] * survival(confidences), dim=1)
+
+    def _block_seconds(self, verify_tokens: int, draft_row: float, slot_attended: Sequence[int]) -> torch.Tensor:
+        """Seconds that drafting and verifying 1..K slots add to the step, per request # [A, K]
+        (slot_attended: what each of its slots attends to; attention is linear in it)."""
+        n = torch.arange(1, self.num_slots + 1, dtype=torch.float64)  # [K]
+        tokens = torch.tensor([self.cost.verify_added(verify_tokens, k) for k in range(1, self.num_slots + 1)],
+                              dtype=torch.float64)  # [K]
+        attention = torch.tensor(slot_attended, dtype=torch.float64)[:, None] * n * self.cost.per_position()
+        return (n * draft_row + tokens)[None, :] + attention
 
     def _draft_row(self, rows: int) -> float:
-        """Seconds a row adds to a drafter forward of `rows` rows (for one row: the whole forward)."""
+        """A row's share of a drafter forward of `rows` rows (for one row: the whole forward). Deeper
+        slots are priced at their share, not at the marginal row: each deeper forward is paid in
+        full by the rows that draft it, so marginal rows alone would value deep blocks for free."""
         rows = max(1, rows)
-        return self.cost.draft_seconds(rows) - self.cost.draft_seconds(rows - 1)
+        return self.cost.draft_seconds(rows) / rows
 
     # ---- admit ---------------------------------------------------------------------------
 
@@ -321,13 +354,19 @@ class AdaptivePlanner:
         admitted = torch.where(explore, counts, torch.zeros_like(counts))  # [B]
         verify_tokens = draft_plan.pending_tokens + int(admitted.sum())
         survival = torch.nan_to_num(scores.survival.to(torch.float64), nan=0.0)  # [B, K]
+        shapes, per_position = draft_plan.shapes, self.cost.per_position()
+        closed: set[int] = set()
         for b, i, s in self._ranked_slots(survival, counts, explore):
-            marginal = self.cost.verify_seconds(verify_tokens + 1) - self.cost.verify_seconds(verify_tokens)
+            if b in closed:
+                continue
+            marginal = self.cost.verify_added(verify_tokens, 1, shapes[b].slot_attended + i)
             if s < draft_plan.price * marginal:
-                break  # the first slot that does not pay ends the scan: every later slot ranks lower
+                closed.add(b)  # its deeper slots rank lower and cost as much: none of them is admitted
+                continue
             admitted[b] = i + 1
             verify_tokens += 1
-        return Plan.of(drafts, admitted, self.cost.predict(drafts.forwards, verify_tokens, draft_plan.context))
+        verify_attended = sum(s.attended(k) for s, k in zip(shapes, admitted.tolist()))
+        return Plan.of(drafts, admitted, self.cost.predict(drafts.forwards, verify_tokens, verify_attended))
 
     @staticmethod
     def _ranked_slots(survival: torch.Tensor, counts: torch.Tensor, explore: torch.Tensor):
@@ -344,13 +383,15 @@ class AdaptivePlanner:
     # ---- observe -------------------------------------------------------------------------
 
     def observe(self, record: StepRecord) -> None:
-        self.cost.observe(record.drafts.forwards, record.verify_tokens, record.verify_context, record.times)
+        self.cost.observe(record.drafts.forwards, record.verify_tokens, record.verify_attended, record.times)
         if math.isfinite(record.times.total):
             self.probe_budget += self.config.probe_share * max(0.0, record.times.total)
         if record.times.total > 0 and record.requests:
             # what a target-only step over the same requests would have cost: their pending tokens alone
+            # (attending to about their share of the positions the verify attended to)
             pending = record.verify_tokens - int(record.num_admitted.sum())
-            target_only = self.cost.verify_seconds(pending, record.verify_context) + self.cost.overhead
+            pending_attended = record.verify_attended * pending / max(record.verify_tokens, 1)
+            target_only = self.cost.verify_seconds(pending, pending_attended) + self.cost.overhead
             tokens = int(record.num_accepted.sum()) + len(record.requests)
             speedup = (tokens / record.times.total) / (len(record.requests) / max(target_only, 1e-9))
             self.speedup += self.rate_alpha * (speedup - self.speedup)

@@ -3,17 +3,21 @@
 Owns: the two cost curves the planner prices slots with, and their correction from measured
 step times.
 
-    draft(tokens, context)    one drafter forward feeding `tokens` rows, with its sampling and
+    draft(tokens, attended)   one drafter forward feeding `tokens` rows, with its sampling and
                               features (one drafting slot of every request that drafts it)
-    verify(tokens, context)   the target's packed forward over `tokens` tokens, with the
+    verify(tokens, attended)  the target's packed forward over `tokens` tokens, with the
                               processed distributions of every row
     overhead                  the rest of a step (scoring, planning, rejection sampling, commit)
 
-`context` is the number of cached positions the forward attends to, summed over its requests
-(each request's KV cache is read once per forward, so long contexts cost more). A curve is
-the profile's measured points made monotone (pool-adjacent-violators, so one noisy point
-cannot make more tokens look cheaper) and interpolated linearly, extended past the last point
-with the last segment's slope, plus `per_context` seconds per cached position.
+`attended` is attention's work: the key positions the forward's tokens attend to, summed over
+them (`types.attended`: a request's t new tokens over c cached positions attend t * c + t(t-1)/2).
+Attention is priced per attended position because it is per token and per cached position
+alike: 16 tokens over a 576-token context cost the target about 2.5 us per position more than
+over 64, so a slot of a long request costs more than one of a short request. A curve is the
+profile's measured points with attention's share taken out, made monotone (pool-adjacent-
+violators, so one noisy point cannot make more tokens look cheaper) and interpolated linearly,
+extended past the last point with the last segment's slope, plus `per_context` seconds per
+attended position.
 
 Online correction. Each step the engine reports what it measured; each stage keeps a
 multiplicative scale, an exponential moving average in log space of measured / profiled
@@ -53,7 +57,7 @@ class CostCurve:
 
     tokens: tuple[int, ...]  # ascending, >= 1
     seconds: tuple[float, ...]  # non-decreasing
-    per_context: float = 0.0  # seconds per cached position attended to
+    per_context: float = 0.0  # seconds per attended key position (types.attended)
 
     def __post_init__(self) -> None:
         if not self.tokens or len(self.tokens) != len(self.seconds):
@@ -69,10 +73,17 @@ class CostCurve:
         tokens = sorted(measured)
         return cls(tuple(tokens), tuple(isotonic([measured[t] for t in tokens])), max(0.0, per_context))
 
-    def __call__(self, tokens: float, context: float = 0.0) -> float:
-        """Seconds of a forward over `tokens` tokens attending to `context` cached positions (0 tokens: 0)."""
+    def __call__(self, tokens: float, attended: float = 0.0) -> float:
+        """Seconds of a forward over `tokens` tokens attending to `attended` key positions (0 tokens: 0)."""
         if tokens <= 0:
             return 0.0
+        return self._base(tokens) + self.per_context * max(0.0, attended)
+
+    def added(self, tokens: float, more: float, attended: float = 0.0) -> float:
+        """Seconds that `more` tokens, attending to `attended` positions, add to a forward of `tokens`."""
+        return (self(tokens + more) - self(tokens) if more > 0 else 0.0) + self.per_context * max(0.0, attended)
+
+    def _base(self, tokens: float) -> float:
         xs, ys = self.tokens, self.seconds
         if len(xs) == 1:
             base = ys[0] * tokens / xs[0] if tokens > xs[0] else ys[0]
@@ -82,7 +93,7 @@ class CostCurve:
             i = min(bisect.bisect_left(xs, tokens), len(xs) - 1)  # segment (i - 1, i), the last one past the end
             slope = (ys[i] - ys[i - 1]) / (xs[i] - xs[i - 1])
             base = ys[i - 1] + slope * (tokens - xs[i - 1])
-        return base + self.per_context * max(0.0, context)
+        return base
 
     def to_dict(self) -> dict[str, Any]:
         return {"tokens": list(self.tokens), "seconds": list(self.seconds), "per_context": self.per_context}
@@ -134,28 +145,43 @@ class CostModel:
 
     # ---- predictions ------------------------------------------------------------
 
-    def draft_seconds(self, tokens: float, context: float = 0.0) -> float:
+    def draft_seconds(self, tokens: float, attended: float = 0.0) -> float:
         """One drafter forward (and its sampling) over `tokens` rows."""
         if self.profile.draft is None:
             return 0.0
-        return self.profile.draft(tokens, context) * self.scale("draft")
+        return self.profile.draft(tokens, attended) * self.scale("draft")
 
-    def verify_seconds(self, tokens: float, context: float = 0.0) -> float:
-        return self.profile.verify(tokens, context) * self.scale("verify")
+    def verify_seconds(self, tokens: float, attended: float = 0.0) -> float:
+        return self.profile.verify(tokens, attended) * self.scale("verify")
 
-    def predict(self, forwards: Sequence[tuple[int, int]], verify_tokens: int, verify_context: int) -> StageTimes:
-        """Times of a step with these drafter forwards [(tokens, context), ...] and this verification."""
-        draft = sum(self.draft_seconds(t, c) for t, c in forwards)
-        verify = self.verify_seconds(verify_tokens, verify_context)
+    def draft_added(self, tokens: float, more: float, attended: float = 0.0) -> float:
+        """Seconds that `more` rows (attending to `attended` positions) add to a drafter forward of `tokens`."""
+        if self.profile.draft is None:
+            return 0.0
+        return self.profile.draft.added(tokens, more, attended) * self.scale("draft")
+
+    def verify_added(self, tokens: float, more: float, attended: float = 0.0) -> float:
+        """Seconds that `more` tokens (attending to `attended` positions) add to a verify of `tokens`."""
+        return self.profile.verify.added(tokens, more, attended) * self.scale("verify")
+
+    def per_position(self) -> float:
+        """Seconds one attended position costs the two stages together (a slot attends in both)."""
+        draft = self.profile.draft.per_context * self.scale("draft") if self.profile.draft else 0.0
+        return draft + self.profile.verify.per_context * self.scale("verify")
+
+    def predict(self, forwards: Sequence[tuple[int, int]], verify_tokens: int, verify_attended: int) -> StageTimes:
+        """Times of a step with these drafter forwards [(tokens, attended), ...] and this verification."""
+        draft = sum(self.draft_seconds(t, a) for t, a in forwards)
+        verify = self.verify_seconds(verify_tokens, verify_attended)
         return StageTimes(draft, verify, draft + verify + self.overhead)
 
     # ---- online correction -----------------------------------------------------------
 
-    def observe(self, forwards: Sequence[tuple[int, int]], verify_tokens: int, verify_context: int,
+    def observe(self, forwards: Sequence[tuple[int, int]], verify_tokens: int, verify_attended: int,
                 measured: StageTimes) -> None:
         """Move each stage's scale toward measured / profiled, and the overhead toward the remainder."""
-        profiled_draft = sum(self.profile.draft(t, c) for t, c in forwards) if self.profile.draft else 0.0
-        profiled_verify = self.profile.verify(verify_tokens, verify_context)
+        profiled_draft = sum(self.profile.draft(t, a) for t, a in forwards) if self.profile.draft else 0.0
+        profiled_verify = self.profile.verify(verify_tokens, verify_attended)
         for stage, profiled, seconds in (("draft", profiled_draft, measured.draft),
                                          ("verify", profiled_verify, measured.verify)):
             if profiled > 0 and seconds > 0 and math.isfinite(seconds):

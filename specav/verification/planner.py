@@ -27,7 +27,30 @@ import torch
 
 from specav.drafting.base import StopRule
 from specav.request import Request
-from specav.types import DraftBatch, Plan, Scores, StepRecord
+from specav.types import DraftBatch, Plan, Scores, StepRecord, attended
+
+
+@dataclass(frozen=True, slots=True)
+class RequestShape:
+    """What a request costs the two stages before any slot is added."""
+
+    pending: int  # tokens the target verifies whatever is admitted (its pending tokens)
+    context: int  # positions cached in the target
+    draft_pending: int = 1  # tokens the drafter's first forward would feed (a catch-up when > 2)
+
+    def attended(self, slots: int = 0) -> int:
+        """Key positions the target's forward attends to for this request with `slots` admitted."""
+        return attended(self.pending + slots, self.context)
+
+    @property
+    def slot_attended(self) -> int:
+        """What one more verified slot (or drafted row) of this request attends to (about)."""
+        return self.context + self.pending
+
+    @property
+    def draft_context(self) -> int:
+        """Positions cached in the drafter (it lags the target by the tokens it has still to feed)."""
+        return max(0, self.context + self.pending - self.draft_pending)
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,17 +61,12 @@ class DraftPlan:
     stop_rule: StopRule | None = None  # None: every request drafts num_slots[b] slots
     explore: torch.Tensor | None = None  # [B] bool, requests that draft and verify their whole block
     price: float = math.nan  # tokens per second a second of compute must buy (the planner's lambda)
-    pending_tokens: int = 0  # tokens the target verifies before any slot is admitted (pending tokens)
-    context: int = 0  # cached positions of the batch's requests in the target, summed
+    shapes: tuple[RequestShape, ...] = ()  # the batch's requests before any slot (what verifying them costs)
 
-
-@dataclass(frozen=True, slots=True)
-class RequestShape:
-    """What a request costs the two stages before any slot is added."""
-
-    pending: int  # tokens the target verifies whatever is admitted (its pending tokens)
-    context: int  # positions cached in the target
-    draft_pending: int = 1  # tokens the drafter's first forward would feed (a catch-up when > 2)
+    @property
+    def pending_tokens(self) -> int:
+        """Tokens the target verifies before any slot is admitted."""
+        return sum(s.pending for s in self.shapes)
 
 
 class Planner(Protocol):
