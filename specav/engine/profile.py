@@ -138,8 +138,8 @@ def _fit(short: dict[int, float], attention, per_position: float) -> CostCurve:
     """A curve from points measured over SHORT_CONTEXT, each less its attention (attention(size,
     context): the positions a measured point attends to), plus attention's seconds per position."""
     per_position = max(0.0, per_position)
-    return CostCurve.fit({size: max(0.0, s - per_position * attention(size, SHORT_CONTEXT)) for size, s in short.items()},
-                         per_position)
+    rest = {size: max(0.0, s - per_position * attention(size, SHORT_CONTEXT)) for size, s in short.items()}
+    return CostCurve.fit(rest, per_position)
 
 
 def _per_position(pairs: list[tuple[float, float, int, int]]) -> float:

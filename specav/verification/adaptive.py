@@ -17,11 +17,12 @@ Rules (survival s_i = product of a request's confidences 1..i, architecture.md):
   confidences are the estimator's at each position for the request's latest feature (slot
   j-1's, or for j = 1 its history from earlier steps: the no-draft decision). A block, not slot
   j alone, because the first verified slot costs more than the next ones and a drafted slot
-  opens the deeper ones: valued alone, slots that pay as a block would stop. Sorted by net gain (g less the price of
-  its slot's own costs), the requests drafting slot j are the prefix n that maximises sum(g) -
-  lambda * (drafter forward over their tokens + their n verified slots + attention to their
-  contexts in both models); n = 0 stops drafting. Lossless: it reads q_1..q_{j-1} of the
-  request and anything of the others, never x_j or what follows from it.
+  opens the deeper ones: valued alone, slots that pay as a block would stop (deeper slots are
+  priced at a row's share of a forward). Sorted by net gain (g less the price of its slot's own
+  costs), the requests drafting slot j are the prefix n that maximises sum(g) - lambda *
+  (drafter forward over their tokens + their n verified slots + attention to their contexts in
+  both models); n = 0 stops drafting. Lossless: it reads q_1..q_{j-1} of the request and
+  anything of the others, never x_j or what follows from it.
 * Skip and probe. A request the rule leaves out at slot 1 does not draft for `probe_interval`
   steps (it decodes target-only; its drafter catches up on the skipped tokens in one packed
   forward when it drafts again), then drafts slot 1 whatever the rule says, so fresh features
@@ -48,9 +49,8 @@ Rules (survival s_i = product of a request's confidences 1..i, architecture.md):
   closes the request (its deeper slots survive less and cost as much). A request's survival
   never rises along its draft, so its admitted slots are a prefix; whether slot i is admitted
   depends only on slots ranked above it, which are other requests' slots and its own shallower
-  ones: lossless. (An argmax
-  over budgets would look at the request's deeper slots and is lossy: tests/test_adaptive.py
-  shows the distribution tests catch it.)
+  ones: lossless. (An argmax over budgets would look at the request's deeper slots and is
+  lossy: tests/test_adaptive_lossless.py shows the distribution tests catch it.)
 * Explore. Each step every request, with a probability drawn from the planner's own generator
   (never from the drafts), drafts and verifies its whole block, so deep positions keep getting
   labels while the rules above trim. The probability is set from the cost model so exploring
@@ -354,7 +354,7 @@ class AdaptivePlanner:
         admitted = torch.where(explore, counts, torch.zeros_like(counts))  # [B]
         verify_tokens = draft_plan.pending_tokens + int(admitted.sum())
         survival = torch.nan_to_num(scores.survival.to(torch.float64), nan=0.0)  # [B, K]
-        shapes, per_position = draft_plan.shapes, self.cost.per_position()
+        shapes = draft_plan.shapes
         closed: set[int] = set()
         for b, i, s in self._ranked_slots(survival, counts, explore):
             if b in closed:
