@@ -147,8 +147,10 @@ def test_the_profile_separates_attention_from_the_token_curve():
     from specav.types import attended
 
     base = {1: 0.030, 4: 0.045, 16: 0.075, 64: 0.25}
-    pairs = [(0.075 * drift + 2e-6 * attended(16, SHORT_CONTEXT + i), 0.075 * drift + 2e-6 * attended(16, LONG_CONTEXT + i),
-              attended(16, SHORT_CONTEXT + i), attended(16, LONG_CONTEXT + i)) for i, drift in enumerate((1.0, 1.3, 0.9))]
+    def timed(context: int, drift: float) -> tuple[float, int]:
+        return 0.075 * drift + 2e-6 * attended(16, context), attended(16, context)
+
+    pairs = [(timed(SHORT_CONTEXT + i, drift), timed(LONG_CONTEXT + i, drift)) for i, drift in enumerate((1.0, 1.3, 0.9))]
     assert _per_position(pairs) == pytest.approx(2e-6)
     short = {t: s + 2e-6 * attended(t, SHORT_CONTEXT) for t, s in base.items()}
     curve = _fit(short, _one_request, _per_position(pairs))

@@ -142,64 +142,61 @@ def _fit(short: dict[int, float], attention, per_position: float) -> CostCurve:
     return CostCurve.fit(rest, per_position)
 
 
-def _per_position(pairs: list[tuple[float, float, int, int]]) -> float:
-    """Median over (seconds short, seconds long, attended short, attended long) pairs of the
-    seconds per attended position (timed back to back, so the machine's drift cancels)."""
-    return statistics.median((long - short) / (a_long - a_short) for short, long, a_short, a_long in pairs)
+def _per_position(pairs: list[tuple[tuple[float, int], tuple[float, int]]]) -> float:
+    """Median over ((seconds, attended) short, (seconds, attended) long) pairs, timed back to back
+    so the machine's drift cancels, of the seconds per attended position."""
+    return statistics.median((long[0] - short[0]) / (long[1] - short[1]) for short, long in pairs)
+
+
+def _paired(release, prefill, time_one, vocab: int, gen: torch.Generator, repeats: int) -> float:
+    """Attention's seconds per attended position of one stage: a request over SHORT_CONTEXT and one
+    over LONG_CONTEXT, each prefilled, then timed back to back `repeats` times (time_one(request)
+    -> (seconds, positions attended))."""
+    short, long = _dummy_requests(1, SHORT_CONTEXT, vocab, gen)[0], _dummy_requests(1, LONG_CONTEXT, vocab, gen)[0]
+    short.request_id, long.request_id = "profile-short", "profile-long"
+    try:
+        for r in (short, long):
+            prefill(r)
+        return _per_position([(time_one(short), time_one(long)) for _ in range(repeats)])
+    finally:
+        release(short)
+        release(long)
 
 
 def _verify_attention(verifier: TargetVerifier, tokens: int, vocab: int, gen: torch.Generator,
                       repeats: int = 7) -> float:
-    """Attention's seconds per attended position in the verify stage: `tokens` tokens of a request
-    over SHORT_CONTEXT then of one over LONG_CONTEXT, back to back, `repeats` times."""
-    short, long = _dummy_requests(1, SHORT_CONTEXT, vocab, gen)[0], _dummy_requests(1, LONG_CONTEXT, vocab, gen)[0]
-    short.request_id, long.request_id = "profile-short", "profile-long"
-    try:
-        for r in (short, long):  # prefill
-            verifier.verify([r], [[]])
-            verifier.commit([r], [0], AcceptResult(torch.zeros(1, dtype=torch.int64), [[0]]))
-        pairs = []
-        for _ in range(repeats):
-            pair = []
-            for r in (short, long):
-                slots = torch.randint(0, vocab, (tokens - 1,), generator=gen).tolist()
-                context = verifier.shapes([r])[0].context
-                start = time.perf_counter()
-                verifier.verify([r], [slots])
-                pair += [time.perf_counter() - start, attended(tokens, context)]
-                verifier.commit([r], [len(slots)], AcceptResult(torch.zeros(1, dtype=torch.int64), [[slots[0]]]))
-            pairs.append((pair[0], pair[2], pair[1], pair[3]))
-        return _per_position(pairs)
-    finally:
-        verifier.release(short)
-        verifier.release(long)
+    """The verify stage's seconds per attended position, from `tokens`-token verifies."""
+    def prefill(r: Request) -> None:
+        verifier.verify([r], [[]])
+        verifier.commit([r], [0], AcceptResult(torch.zeros(1, dtype=torch.int64), [[0]]))
+
+    def time_one(r: Request) -> tuple[float, int]:
+        slots = torch.randint(0, vocab, (tokens - 1,), generator=gen).tolist()
+        context = verifier.shapes([r])[0].context
+        start = time.perf_counter()
+        verifier.verify([r], [slots])
+        seconds = time.perf_counter() - start
+        verifier.commit([r], [len(slots)], AcceptResult(torch.zeros(1, dtype=torch.int64), [[slots[0]]]))
+        return seconds, attended(tokens, context)
+
+    return _paired(verifier.release, prefill, time_one, vocab, gen, repeats)
 
 
 def _catch_up_attention(drafter: Drafter, tokens: int, vocab: int, gen: torch.Generator, repeats: int = 7) -> float:
-    """Attention's seconds per attended position in the draft stage: a `tokens`-token catch-up of a
-    request over SHORT_CONTEXT then of one over LONG_CONTEXT, back to back, `repeats` times."""
-    short, long = _dummy_requests(1, SHORT_CONTEXT, vocab, gen)[0], _dummy_requests(1, LONG_CONTEXT, vocab, gen)[0]
-    short.request_id, long.request_id = "profile-short", "profile-long"
-    try:
-        for r in (short, long):  # prefill
-            drafts = drafter.propose([r], [1])
-            drafter.commit([r], drafts, AcceptResult(torch.zeros(1, dtype=torch.int64), [[0]]))
-        pairs = []
-        for _ in range(repeats):
-            pair = []
-            for r in (short, long):
-                skipped = torch.randint(0, vocab, (tokens - 1,), generator=gen).tolist()
-                idle = drafter.propose([r], [0])
-                drafter.commit([r], idle, AcceptResult(torch.zeros(1, dtype=torch.int64), [skipped]))
-                start = time.perf_counter()
-                drafts = drafter.propose([r], [1])
-                pair += [time.perf_counter() - start, drafts.forwards[0][1]]  # seconds, positions attended
-                drafter.commit([r], drafts, AcceptResult(torch.zeros(1, dtype=torch.int64), [[0]]))
-            pairs.append((pair[0], pair[2], pair[1], pair[3]))
-        return _per_position(pairs)
-    finally:
-        drafter.release(short)
-        drafter.release(long)
+    """The draft stage's seconds per attended position, from `tokens`-token catch-ups."""
+    def prefill(r: Request) -> None:
+        drafter.commit([r], drafter.propose([r], [1]), AcceptResult(torch.zeros(1, dtype=torch.int64), [[0]]))
+
+    def time_one(r: Request) -> tuple[float, int]:
+        skipped = torch.randint(0, vocab, (tokens - 1,), generator=gen).tolist()
+        drafter.commit([r], drafter.propose([r], [0]), AcceptResult(torch.zeros(1, dtype=torch.int64), [skipped]))
+        start = time.perf_counter()
+        drafts = drafter.propose([r], [1])
+        seconds = time.perf_counter() - start
+        drafter.commit([r], drafts, AcceptResult(torch.zeros(1, dtype=torch.int64), [[0]]))
+        return seconds, drafts.forwards[0][1]
+
+    return _paired(drafter.release, prefill, time_one, vocab, gen, repeats)
 
 
 def _dummy_requests(n: int, context: int, vocab: int, gen: torch.Generator) -> list[Request]:

@@ -13,11 +13,11 @@ step times.
 them (`types.attended`: a request's t new tokens over c cached positions attend t * c + t(t-1)/2).
 Attention is priced per attended position because it is per token and per cached position
 alike: 16 tokens over a 576-token context cost the target 2-4 us per position more than over
-64 on this project's AMD EPYC, so a slot of a long request costs more than one of a short one. A curve is the
-profile's measured points with attention's share taken out, made monotone (pool-adjacent-
-violators, so one noisy point cannot make more tokens look cheaper) and interpolated linearly,
-extended past the last point with the last segment's slope, plus `per_context` seconds per
-attended position.
+64 on this project's AMD EPYC, so a slot of a long request costs more than one of a short one.
+A curve is the profile's measured points with attention's share taken out, made monotone
+(pool-adjacent-violators, so one noisy point cannot make more tokens look cheaper) and
+interpolated linearly, extended past the last point with the last segment's slope, plus
+`per_context` seconds per attended position.
 
 Online correction. Each step the engine reports what it measured; each stage keeps a
 multiplicative scale, an exponential moving average in log space of measured / profiled
