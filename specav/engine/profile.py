@@ -166,37 +166,47 @@ def _paired(release, prefill, time_one, vocab: int, gen: torch.Generator, repeat
 def _verify_attention(verifier: TargetVerifier, tokens: int, vocab: int, gen: torch.Generator,
                       repeats: int = 7) -> float:
     """The verify stage's seconds per attended position, from `tokens`-token verifies."""
-    def prefill(r: Request) -> None:
-        verifier.verify([r], [[]])
-        verifier.commit([r], [0], AcceptResult(torch.zeros(1, dtype=torch.int64), [[0]]))
-
     def time_one(r: Request) -> tuple[float, int]:
-        slots = torch.randint(0, vocab, (tokens - 1,), generator=gen).tolist()
         context = verifier.shapes([r])[0].context
-        start = time.perf_counter()
-        verifier.verify([r], [slots])
-        seconds = time.perf_counter() - start
-        verifier.commit([r], [len(slots)], AcceptResult(torch.zeros(1, dtype=torch.int64), [[slots[0]]]))
-        return seconds, attended(tokens, context)
+        slots = torch.randint(0, vocab, (tokens - 1,), generator=gen).tolist()
+        return _timed_verify(verifier, r, slots), attended(tokens, context)
 
-    return _paired(verifier.release, prefill, time_one, vocab, gen, repeats)
+    return _paired(verifier.release, lambda r: _timed_verify(verifier, r, []), time_one, vocab, gen, repeats)
 
 
 def _catch_up_attention(drafter: Drafter, tokens: int, vocab: int, gen: torch.Generator, repeats: int = 7) -> float:
     """The draft stage's seconds per attended position, from `tokens`-token catch-ups."""
-    def prefill(r: Request) -> None:
-        drafter.commit([r], drafter.propose([r], [1]), AcceptResult(torch.zeros(1, dtype=torch.int64), [[0]]))
+    return _paired(drafter.release, lambda r: _prefill_drafter(drafter, r),
+                   lambda r: _timed_catch_up(drafter, r, tokens, vocab, gen), vocab, gen, repeats)
 
-    def time_one(r: Request) -> tuple[float, int]:
-        skipped = torch.randint(0, vocab, (tokens - 1,), generator=gen).tolist()
-        drafter.commit([r], drafter.propose([r], [0]), AcceptResult(torch.zeros(1, dtype=torch.int64), [skipped]))
-        start = time.perf_counter()
-        drafts = drafter.propose([r], [1])
-        seconds = time.perf_counter() - start
-        drafter.commit([r], drafts, AcceptResult(torch.zeros(1, dtype=torch.int64), [[0]]))
-        return seconds, drafts.forwards[0][1]
 
-    return _paired(drafter.release, prefill, time_one, vocab, gen, repeats)
+def _timed_verify(verifier: TargetVerifier, request: Request, slots: list[int]) -> float:
+    """Seconds of one verify of a request's pending tokens + `slots`, then its commit (none accepted)."""
+    start = time.perf_counter()
+    verifier.verify([request], [slots])
+    seconds = time.perf_counter() - start
+    rejected = AcceptResult(torch.zeros(1, dtype=torch.int64), [[slots[0] if slots else 0]])
+    verifier.commit([request], [len(slots)], rejected)
+    return seconds
+
+
+def _prefill_drafter(drafter: Drafter, request: Request) -> None:
+    """Feed a request's prompt to the drafter (one drafted slot, rejected)."""
+    drafter.commit([request], drafter.propose([request], [1]), AcceptResult(torch.zeros(1, dtype=torch.int64), [[0]]))
+
+
+def _timed_catch_up(drafter: Drafter, request: Request, tokens: int, vocab: int, gen: torch.Generator
+                    ) -> tuple[float, int]:
+    """Seconds of one drafting slot of a request after it skipped tokens - 1 steps (its drafter feeds
+    `tokens` pending tokens), and the positions that forward attended to."""
+    skipped = torch.randint(0, vocab, (tokens - 1,), generator=gen).tolist()
+    idle = drafter.propose([request], [0])
+    drafter.commit([request], idle, AcceptResult(torch.zeros(1, dtype=torch.int64), [skipped]))
+    start = time.perf_counter()
+    drafts = drafter.propose([request], [1])
+    seconds = time.perf_counter() - start
+    drafter.commit([request], drafts, AcceptResult(torch.zeros(1, dtype=torch.int64), [[0]]))
+    return seconds, drafts.forwards[0][1]
 
 
 def _dummy_requests(n: int, context: int, vocab: int, gen: torch.Generator) -> list[Request]:
@@ -210,14 +220,8 @@ def _time_verify(verifier: TargetVerifier, tokens: int, context: int, vocab: int
     request = _dummy_requests(1, context, vocab, gen)[0]
     slots = torch.randint(0, vocab, (tokens - 1,), generator=gen).tolist()
     try:
-        times = []
-        for repeat in range(repeats + 1):  # the first call prefills the context
-            start = time.perf_counter()
-            verifier.verify([request], [slots])
-            if repeat:
-                times.append(time.perf_counter() - start)
-            verifier.commit([request], [len(slots)], AcceptResult(torch.zeros(1, dtype=torch.int64), [[slots[0] if slots else 0]]))
-        return statistics.median(times)
+        times = [_timed_verify(verifier, request, slots) for _ in range(repeats + 1)]
+        return statistics.median(times[1:])  # the first call prefills the context
     finally:
         verifier.release(request)
 
@@ -249,14 +253,8 @@ def _time_catch_up(drafter: Drafter, tokens: int, context: int, vocab: int, gen:
     for repeat in range(repeats):
         request = _dummy_requests(1, context, vocab, gen)[0]
         try:
-            drafts = drafter.propose([request], [1])  # the prefill of the context
-            drafter.commit([request], drafts, AcceptResult(torch.zeros(1, dtype=torch.int64), [[0]]))
-            skipped = torch.randint(0, vocab, (tokens - 1,), generator=gen).tolist()
-            idle = drafter.propose([request], [0])
-            drafter.commit([request], idle, AcceptResult(torch.zeros(1, dtype=torch.int64), [skipped]))
-            start = time.perf_counter()
-            drafter.propose([request], [1])
-            times.append(time.perf_counter() - start)
+            _prefill_drafter(drafter, request)
+            times.append(_timed_catch_up(drafter, request, tokens, vocab, gen)[0])
         finally:
             drafter.release(request)
     return statistics.median(times)

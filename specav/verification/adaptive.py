@@ -217,6 +217,7 @@ class AdaptivePlanner:
         candidates: list[int] = []
         rate = self.target_only_rate(shapes)  # what a catch-up must beat, and a row's share of a forward
         entry_row = self._draft_row(len(shapes))
+        pending = sum(s.pending for s in shapes)  # tokens the target verifies before any slot
         for i in self._cold_start(requests, max_slots, shapes):
             forced.append(i)
             num_slots[i] = max_slots[i]
@@ -234,7 +235,8 @@ class AdaptivePlanner:
                 h.wait -= 1
                 h.probing = h.wait == 0
                 continue
-            elif shapes[i].draft_pending > _CAUGHT_UP and not self._entry_pays(request, shapes, i, rate, entry_row):
+            elif shapes[i].draft_pending > _CAUGHT_UP and \
+                    not self._entry_pays(request, shapes[i], pending, rate, entry_row):
                 h.wait = h.interval  # catching up would not pay: decode target-only, probe later
                 continue
             else:
@@ -246,7 +248,7 @@ class AdaptivePlanner:
                 num_slots[i] = 0
                 h = self._history(requests[i])
                 h.wait = h.interval
-        stop = _SurvivalStop(self, explore.clone(), price, sum(s.pending for s in shapes), shapes)
+        stop = _SurvivalStop(self, explore.clone(), price, pending, shapes)
         return DraftPlan(num_slots, stop, explore, price, tuple(shapes))
 
     def _cold_start(self, requests: Sequence[Request], max_slots: Sequence[int],
@@ -258,16 +260,15 @@ class AdaptivePlanner:
                    if m > 0 and math.isnan(self._predictor(self._history(r)))]
         return [min(unknown, key=lambda i: (shapes[i].draft_pending, i))] if unknown else []
 
-    def _entry_pays(self, request: Request, shapes: Sequence[RequestShape], i: int, rate: float,
+    def _entry_pays(self, request: Request, shape: RequestShape, pending: int, rate: float,
                     draft_row: float) -> bool:
-        """Whether request i's drafter should catch up (a new request's prompt, or tokens skipped):
+        """Whether a request's drafter should catch up (a new request's prompt, or tokens skipped):
         an investment, worth it when drafting is predicted to beat target-only decoding (`rate`
         tokens per second) by more over the request's remaining tokens than the catch-up costs.
         Predicted from the request's feature history at every slot, its block priced at `draft_row`
-        seconds per drafted row."""
-        shape = shapes[i]
+        seconds per drafted row, after the batch's `pending` tokens."""
         expected = self._predicted_blocks(self._history_features([request]), torch.ones(1, dtype=torch.float64))[0]
-        block_seconds = self._block_seconds(sum(s.pending for s in shapes), draft_row, [shape.slot_attended])[0]
+        block_seconds = self._block_seconds(pending, draft_row, [shape.slot_attended])[0]
         values = expected - rate * block_seconds
         best = int(values.argmax())
         if values[best] <= 0:

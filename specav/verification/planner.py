@@ -27,7 +27,8 @@ import torch
 
 from specav.drafting.base import StopRule
 from specav.request import Request
-from specav.types import DraftBatch, Plan, Scores, StepRecord, attended
+from specav.types import DraftBatch, Plan, Scores, StepRecord
+from specav.types import attended as _attended
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,7 +41,7 @@ class RequestShape:
 
     def attended(self, slots: int = 0) -> int:
         """Key positions the target's forward attends to for this request with `slots` admitted."""
-        return attended(self.pending + slots, self.context)
+        return _attended(self.pending + slots, self.context)
 
     @property
     def slot_attended(self) -> int:
