@@ -212,10 +212,12 @@ def test_metrics_parse_and_move_as_requests_run(server):
     c.completions.create(model=MODEL, prompt="count", max_tokens=30, temperature=0.8, seed=3)
     list(c.completions.create(model=MODEL, prompt="count", max_tokens=10, temperature=0, stream=True))
     after = metrics(server)
-    for name in ("specav_steps_total", "specav_slots_drafted_total", "specav_slots_admitted_total",
-                 "specav_time_to_first_token_seconds_count",
-                 "specav_request_latency_seconds_count", "specav_inter_token_latency_seconds_count",
-                 "specav_step_seconds_count", "specav_generation_tokens_total"):
+    moving = ["specav_steps_total", "specav_time_to_first_token_seconds_count",
+              "specav_request_latency_seconds_count", "specav_inter_token_latency_seconds_count",
+              "specav_step_seconds_count", "specav_generation_tokens_total"]
+    if server.engine.planner.name == "static":  # AV may rightly draft nothing for these 40 tokens: what it
+        moving += ["specav_slots_drafted_total", "specav_slots_admitted_total"]  # drafts follows measured times
+    for name in moving:
         assert after[name] > before.get(name, 0), name
     assert after['specav_requests_total{finish_reason="length"}'] - \
         before.get('specav_requests_total{finish_reason="length"}', 0) == 2
