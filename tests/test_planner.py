@@ -181,7 +181,7 @@ def test_stop_rule_values_the_block_ahead_not_the_next_slot_alone():
         draft = CostCurve.fit({1: 0.01, 64: 0.64})
         p = AdaptivePlanner(4, OnlineAcceptanceEstimator(4), CostModel(CostProfile(verify, draft), halflife=FROZEN),
                             AdaptiveConfig(exploration=0.0))
-        p.speedup, p.population_feature = 1.0, 6.0
+        p.population_feature = 6.0
         p.target_only_rate = lambda shapes: 1.0  # price 1 token per second
         plan = p.draft_plan(requests(1), [4], [RequestShape(1, 0)])
         assert plan.num_slots == [4]
@@ -205,11 +205,15 @@ def test_stop_rule_keeps_exploring_requests_whatever_their_features():
     assert keep.tolist() == [True, True]
 
 
-def test_cold_start_drafts_one_request_the_cheapest_catch_up():
+def test_cold_start_drafts_one_whole_block_the_cheapest_catch_up():
     p = planner(4)
     shapes = [RequestShape(1, 50, draft_pending=50), RequestShape(1, 10, draft_pending=10),
               RequestShape(1, 30, draft_pending=30)]
-    assert p.draft_plan(requests(3), [4, 4, 4], shapes).num_slots == [0, 4, 0]
+    plan = p.draft_plan(requests(3), [4, 4, 4], shapes)
+    assert plan.num_slots == [0, 4, 0]
+    # its whole block is drafted and verified whatever its first slot's feature says (as exploring)
+    assert plan.explore.tolist() == [False, True, False]
+    assert plan.stop_rule.keep_drafting(0, [1], {"logit_q_max": torch.tensor([-9.0])}).tolist() == [True]
     assert p.draft_plan(requests(3), [4, 0, 4], shapes).num_slots == [0, 0, 4]  # one at max_tokens
     p.population_feature = 6.0  # once one has drafted, the population's features stand in for the rest
     assert p.draft_plan(requests(3), [4, 4, 4], shapes).num_slots == [4, 4, 4]
@@ -276,6 +280,7 @@ def test_a_request_with_confident_history_drafts_and_one_without_does_not():
 
 def test_exploration_draws_come_from_the_planners_own_generator():
     p = planner(4, exploration=2.0, seed=7)
+    p.population_feature = 0.0  # past the cold start (whose request's block is verified whatever the draw)
     shapes = [RequestShape(1, 0)] * 3
     chance = p.exploration_probability(shapes)
     assert 0.1 < chance < 0.9
@@ -319,10 +324,13 @@ def test_a_lossy_scorer_is_refused():
 def test_price_is_never_below_the_target_only_rate():
     p = planner(4)
     shapes = [RequestShape(1, 0)] * 4
-    p.speedup = 0.5  # speculation measured slower than target-only
-    assert p.price(shapes) == pytest.approx(p.target_only_rate(shapes))
-    p.speedup = 2.0
-    assert p.price(shapes) == pytest.approx(2 * p.target_only_rate(shapes))
+    batch = requests(4)
+    for r in batch:
+        p._history(r).speedup = 0.5  # speculation measured slower than target-only
+    assert p.price(batch, shapes) == pytest.approx(p.target_only_rate(shapes))
+    for r, speedup in zip(batch, (2.0, 2.0, 1.0, 1.0)):
+        p._history(r).speedup = speedup
+    assert p.price(batch, shapes) == pytest.approx(1.5 * p.target_only_rate(shapes))  # the batch's mean
 
 
 def test_one_odd_slot_is_shrunk_toward_the_population_and_many_are_not():
@@ -354,3 +362,43 @@ def test_a_catch_up_is_made_only_when_drafting_is_predicted_to_repay_it():
     p.population_feature = -6.0  # doubtful traffic: no remaining length repays it
     doubtful = Request([1] * 40, SamplingParams(max_tokens=400), request_id="d")
     assert p.draft_plan([doubtful], [4], [shape]).num_slots == [0]
+
+
+def _decoding_record(batch, drafted, admitted, accepted, seconds):
+    """What observe reads of a decoding step (one pending token each, no context)."""
+    from specav.types import StageTimes
+
+    class Record:
+        requests, times, prefill_tokens, max_slots = batch, StageTimes(0.0, seconds, seconds), 0, [4] * len(batch)
+        drafts = type("D", (), {"forwards": [], "num_drafted": torch.tensor(drafted)})()
+        num_admitted, num_accepted = torch.tensor(admitted), torch.tensor(accepted)
+        verify_tokens, verify_attended = len(batch) + sum(admitted), 0
+        scores = Scores.empty(len(batch))
+    return Record()
+
+
+def test_each_request_is_credited_its_own_speed_up():
+    """A step's time is split as each request's target-only share plus the extra time by the cost of
+    its slots: a request that did not draft is credited 1x whatever the others did, and alone a
+    request's speed-up is the step's measured rate over the target-only rate."""
+    p = planner(4)
+    lone = requests(1)
+    target_only = p.cost.verify_seconds(1)  # this cost model has no overhead
+    assert p._speedups(_decoding_record(lone, [3], [3], [3], 2 * target_only)) == pytest.approx([2.0])
+    pair, share = requests(2), p.cost.verify_seconds(2) / 2  # each request's share of a target-only step
+    drafter, plain = p._speedups(_decoding_record(pair, [4, 0], [4, 0], [4, 0], 3.0))
+    assert plain == pytest.approx(1.0)
+    assert drafter == pytest.approx(5 * share / (3.0 - share))
+
+
+def test_the_price_follows_the_requests_in_the_batch_not_earlier_traffic():
+    """A run of confident code lifts its own request's speed-up; a prose request that follows it
+    alone is priced at its own (1x for a new request), so drafts that beat plain decoding still pay."""
+    p = planner(4, rate_halflife=1.0)
+    code, prose = requests(2)
+    target_only = p.cost.verify_seconds(1)
+    for _ in range(20):
+        p.observe(_decoding_record([code], [4], [4], [4], 2 * target_only))  # 5 tokens in 2 steps' time
+    shape = [RequestShape(1, 0)]
+    assert p.price([code], shape) == pytest.approx(2.5 * p.target_only_rate(shape), rel=1e-3)
+    assert p.price([prose], shape) == pytest.approx(p.target_only_rate(shape))

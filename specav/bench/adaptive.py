@@ -16,10 +16,11 @@ top-k 20, top-p 0.8, request i seeded with i, through:
                    static K=8 run's steps (same accepted counts, so the same emitted tokens) through
                    the cost model, as that run's measured time x predicted(oracle) / predicted(K=8)
 
-Every row is measured in this one process, the methods taking turns per cell (the order reversed
-every other turn), after one warm-up request per method; with `--rounds N` each cell takes N
-turns and its figures are over all of them (speeds here drift 10-15% within minutes: two rounds
-in opposite orders cancel a steady drift). Printed per cell: tokens/s, the ratio to
+Every row is measured in this one process, the methods taking turns per cell (target-only, AV,
+then the static Ks; the order reversed every other turn, so target-only and AV, the comparison
+every goal rests on, always run next to each other), after one warm-up request per method; with
+`--rounds N` each cell takes N turns and its figures are over all of them (speeds here drift
+10-20% within minutes: two rounds in opposite orders cancel a steady drift). Printed per cell: tokens/s, the ratio to
 target-only, to the best static K and to the oracle, tokens per step, slots drafted / verified per
 step, requests that skipped drafting; then AV's goals (issue 11) met or missed, and the share of
 AV's step time spent in its planner, estimator and cost model. This program owns no engine logic.
@@ -258,6 +259,7 @@ def main() -> None:
     profile = load_or_profile(probe.verifier, probe.drafter, key, packaged.cache_root() / PROFILE_FILE,
                               max(concurrencies) * (args.av_k + 1), max(concurrencies))
     methods = [("target-only", 0, False)] + [(f"static K={k}", k, False) for k in ks] + [("AV", args.av_k, True)]
+    turns = [methods[0], methods[-1]] + methods[1:-1]  # target-only and AV adjacent in either order
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
     print(f"packaged pair, {args.dtype}, {torch.get_num_threads()} threads, {cpu}; {args.requests} requests x "
           f"{args.max_tokens} tokens per cell (EOS ignored), temperature 0.7, top-k 20, top-p 0.8")
@@ -272,7 +274,7 @@ def main() -> None:
         for concurrency in concurrencies:
             cell: dict[str, Run] = {}
             for _ in range(args.rounds):
-                order = methods if turn % 2 == 0 else methods[::-1]
+                order = turns if turn % 2 == 0 else turns[::-1]
                 turn += 1
                 for name, k, adaptive in order:
                     r = run(target, drafter, name, k, adaptive, prompts, args.max_tokens, concurrency, profile)

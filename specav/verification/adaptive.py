@@ -4,10 +4,15 @@ Owns the adaptive planner: its price of compute, its per-request history, and it
 Every rule compares an expected gain in tokens with a cost in seconds converted to tokens by
 the price lambda (tokens per second): maximising the long-run rate tokens / seconds is
 maximising tokens - lambda * seconds at the optimal rate, and lambda is re-estimated from
-measured steps (Dinkelbach's iteration). lambda = max(1, measured speed-up over target-only
-decoding) x the target-only rate of the current batch, so nothing is drafted or verified
-unless it buys tokens faster than plain decoding would: with AV on, speculation is meant to
-never be slower.
+measured steps (Dinkelbach's iteration). lambda = max(1, the batch's measured speed-up over
+target-only decoding) x the target-only rate of the current batch, so nothing is drafted or
+verified unless it buys tokens faster than plain decoding would: with AV on, speculation is
+meant to never be slower. The speed-up is each request's own (an EMA over its steps, 1 for a
+new request), averaged over the batch: every request must be served, so the time a step takes
+is worth what the requests in it could do with it, not what other traffic did (one global
+rate, lifted by a run of code, priced a prose request's drafts that beat plain decoding out).
+A request's share of a step's measured time is its target-only share plus the step's extra
+time split over the requests by the predicted cost of their slots.
 
 Rules (survival s_i = product of a request's confidences 1..i, architecture.md):
 
@@ -39,9 +44,12 @@ Rules (survival s_i = product of a request's confidences 1..i, architecture.md):
   per step of drafting its best number of slots, from its feature history at every slot, at
   the target-only rate, times its expected remaining steps); otherwise it decodes target-only
   and is probed later like a request that stopped.
-* Cold start. With nothing known (no request has drafted yet), one request drafts, the one
-  whose drafter has the fewest tokens to catch up on; the others wait one step for the
-  population's features, which then stand in for a new request's own history.
+* Cold start. With nothing known (no request has drafted yet), one request drafts and has
+  verified its whole block, as an exploring request does: the one whose drafter has the fewest
+  tokens to catch up on; the others wait one step for the population's features, which then
+  stand in for a new request's own history. A whole block, because one slot's feature would
+  stand for the whole population: a first slot rejected made every later request's catch-up look
+  unpaid (code at concurrency 1: the first two requests never drafted).
 * Admit (the plan stage, the trim). Drafting is sunk by then, so a slot pays if its survival
   s >= lambda * (marginal verify seconds, attention to the request's context included). All
   drafted slots of the batch are scanned in descending survival (ties by position, then by
@@ -91,6 +99,7 @@ class _History:
     wait: int = 0  # steps left before it may draft again
     interval: int = 1  # the wait after its next probe that does not pay
     probing: bool = False  # its next slot 1 is drafted whatever the rule says (after a wait)
+    speedup: float = 1.0  # EMA of its measured rate / its target-only rate (the price of compute)
 
 
 def select_prefix(gains: Sequence[float], tokens: Sequence[int], committed_tokens: int, price: float,
@@ -163,7 +172,6 @@ class AdaptivePlanner:
         self.config = config
         self.generator = torch.Generator().manual_seed(config.seed)  # exploration only
         self.rate_alpha = _decay(config.rate_halflife)
-        self.speedup = 1.0  # EMA of measured rate / target-only rate
         self.history: dict[str, _History] = {}
         self.population_feature = math.nan  # recent mean slot feature over all requests (new requests' prior)
         self.probe_budget = 0.0  # seconds of compute probes may still spend (probe_share of measured steps)
@@ -176,8 +184,10 @@ class AdaptivePlanner:
         seconds = self.cost.verify_seconds(len(shapes), sum(s.context + s.pending - 1 for s in shapes))
         return len(shapes) / max(seconds + self.cost.overhead, 1e-9)
 
-    def price(self, shapes: Sequence[RequestShape]) -> float:
-        return max(1.0, self.speedup) * self.target_only_rate(shapes)
+    def price(self, requests: Sequence[Request], shapes: Sequence[RequestShape]) -> float:
+        """lambda: tokens per second a second of this batch's compute is worth (see the module docstring)."""
+        speedup = sum(self._history(r).speedup for r in requests) / max(len(requests), 1)
+        return max(1.0, speedup) * self.target_only_rate(shapes)
 
     def exploration_probability(self, shapes: Sequence[RequestShape]) -> float:
         """Per request this step: exploring then costs `exploration` x the step's time on average
@@ -207,7 +217,7 @@ class AdaptivePlanner:
     def draft_plan(self, requests: Sequence[Request], max_slots: Sequence[int],
                    shapes: Sequence[RequestShape]) -> DraftPlan:
         b = len(requests)
-        price = self.price(shapes)
+        price = self.price(requests, shapes)
         explore = torch.rand(b, generator=self.generator, dtype=torch.float64) < \
             self.exploration_probability(shapes)
         explore &= torch.tensor([m > 0 and s.draft_pending <= _CAUGHT_UP for m, s in zip(max_slots, shapes)],
@@ -221,6 +231,7 @@ class AdaptivePlanner:
         for i in self._cold_start(requests, max_slots, shapes):
             forced.append(i)
             num_slots[i] = max_slots[i]
+            explore[i] = True  # its whole block is drafted and verified
         for i, (request, m) in enumerate(zip(requests, max_slots)):
             h = self._history(request)
             if m == 0 or i in forced or math.isnan(self._predictor(h)):
@@ -387,15 +398,10 @@ class AdaptivePlanner:
         self.cost.observe(record.drafts.forwards, record.verify_tokens, record.verify_attended, record.times)
         if math.isfinite(record.times.total):
             self.probe_budget += self.config.probe_share * max(0.0, record.times.total)
-        if record.times.total > 0 and record.requests:
-            # what a target-only step over the same requests would have cost: their pending tokens alone
-            # (attending to about their share of the positions the verify attended to)
-            pending = record.verify_tokens - int(record.num_admitted.sum())
-            pending_attended = record.verify_attended * pending / max(record.verify_tokens, 1)
-            target_only = self.cost.verify_seconds(pending, pending_attended) + self.cost.overhead
-            tokens = int(record.num_accepted.sum()) + len(record.requests)
-            speedup = (tokens / record.times.total) / (len(record.requests) / max(target_only, 1e-9))
-            self.speedup += self.rate_alpha * (speedup - self.speedup)
+        if record.times.total > 0 and record.requests and not record.prefill_tokens:
+            for request, speedup in zip(record.requests, self._speedups(record)):
+                h = self._history(request)
+                h.speedup += self.rate_alpha * (speedup - h.speedup)
         features = record.scores.features  # [B, K]
         drafted_features = features[~torch.isnan(features)]
         if drafted_features.numel():
@@ -417,6 +423,24 @@ class AdaptivePlanner:
                 else:
                     h.wait = h.interval
                     h.interval = min(2 * h.interval, self.config.max_probe_interval)
+
+    def _speedups(self, record: StepRecord) -> list[float]:
+        """Each request's measured rate over its target-only rate in a decoding step: its tokens
+        over its share of the step's time, which is its share of a target-only step (what the cost
+        model predicts for the pending tokens alone) plus the step's extra time split by the
+        predicted cost of its drafted and admitted slots."""
+        b = len(record.requests)
+        pending = record.verify_tokens - int(record.num_admitted.sum())
+        pending_attended = record.verify_attended * pending / max(record.verify_tokens, 1)
+        target_only = (self.cost.verify_seconds(pending, pending_attended) + self.cost.overhead) / b
+        drafted, admitted = record.drafts.num_drafted.tolist(), record.num_admitted.tolist()
+        row, slot = self._draft_row(max(1, sum(1 for d in drafted if d))), self.cost.verify_added(pending, 1)
+        weights = [d * row + a * slot for d, a in zip(drafted, admitted)]
+        total_weight = sum(weights)
+        extra = record.times.total - b * target_only
+        shares = [target_only + extra * (w / total_weight if total_weight > 0 else 1 / b) for w in weights]
+        tokens = [1 + int(a) for a in record.num_accepted.tolist()]
+        return [t * target_only / max(share, 1e-9) for t, share in zip(tokens, shares)]
 
     def release(self, request: Request) -> None:
         self.history.pop(request.request_id, None)
