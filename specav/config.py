@@ -282,8 +282,13 @@ class AdaptiveConfig:
         every token the request skipped, so probes are paid from a budget that grows by this
         share of each step's measured time; a due probe waits until the budget covers it.
         Default 0.02 (2%).
-    rate_halflife: steps, half-life of the measured speed-up over target-only decoding that
-        prices a second of compute (the planner's lambda). Default 16.
+    control_share: the share of steps in which the whole batch decodes target-only (drawn from the
+        planner's generator, never from the drafts), so the cost model keeps measuring the
+        target-only step that prices every rule even while every request drafts. Default 0.02 (2%
+        of steps; where drafting pays 1.3x it costs about 0.5% of the rate).
+    rate_halflife: steps, half-life of each request's measured speed-up over target-only
+        decoding; their mean over a step's requests prices a second of compute (the planner's
+        lambda). Default 16.
     cost_halflife: steps, half-life of the online correction of the profiled cost model (a
         thermal change or a noisy neighbour is followed within a few half-lives). Default 8.
     seed: seed of the exploration generator.
@@ -293,6 +298,7 @@ class AdaptiveConfig:
     probe_interval: int = 8
     max_probe_interval: int = 64
     probe_share: float = 0.02
+    control_share: float = 0.02
     rate_halflife: float = 16.0
     cost_halflife: float = 8.0
     seed: int = 0
@@ -304,6 +310,9 @@ class AdaptiveConfig:
                "a share of compute >= 0 (0.01 = 1%)")
         _check(isinstance(self.probe_share, (int, float)) and math.isfinite(self.probe_share)
                and self.probe_share >= 0, w, "probe_share", self.probe_share, "a share of compute >= 0 (0.02 = 2%)")
+        _check(isinstance(self.control_share, (int, float)) and math.isfinite(self.control_share)
+               and 0 <= self.control_share <= 1, w, "control_share", self.control_share,
+               "a share of steps in [0, 1] (0.02 = 2%)")
         _check(isinstance(self.probe_interval, int) and self.probe_interval >= 1, w, "probe_interval",
                self.probe_interval, "an integer >= 1")
         _check(isinstance(self.max_probe_interval, int) and self.max_probe_interval >= self.probe_interval, w,

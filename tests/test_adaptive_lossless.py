@@ -91,10 +91,10 @@ class QSampledEstimator(OnlineAcceptanceEstimator):
 
 
 def make_planner(cls=FixedPricePlanner, scorer=None, exploration: float = 0.0, k: int = K, price: float = PRICE,
-                 cost=None, rate: float | None = None, **config):
+                 cost=None, rate: float | None = None, control_share: float = 0.0, **config):
     scorer = scorer or OnlineAcceptanceEstimator(k, EstimatorConfig())
-    return cls(k, scorer, cost or cost_model(), AdaptiveConfig(exploration=exploration, **config), price=price,
-               rate=rate)
+    return cls(k, scorer, cost or cost_model(),
+               AdaptiveConfig(exploration=exploration, control_share=control_share, **config), price=price, rate=rate)
 
 
 def lossy_q_sampled_planner(cls=FixedPricePlanner, **kw):
@@ -195,7 +195,7 @@ def only(planner: AdaptivePlanner, rule: str) -> AdaptivePlanner:
 
     def draft_plan(requests, max_slots, shapes):
         plan = original_draft_plan(requests, max_slots, shapes)
-        num_slots = plan.num_slots if rule in ("no draft", "all") else list(max_slots)
+        num_slots = plan.num_slots if rule in ("no draft", "control", "all") else list(max_slots)
         stop = plan.stop_rule if rule in ("early stop", "all") else None
         return DraftPlan(num_slots, stop, plan.explore, plan.price, plan.shapes)
 
@@ -228,7 +228,8 @@ RULES = {  # rule -> planner settings that make it fire often on the tiny pair
     "early stop": dict(price=3.0),
     "no draft": dict(price=4.5, rate=4.0, probe_interval=1, probe_share=1.0),
     "exploration": dict(price=50.0, exploration=0.3),
-    "all": dict(price=4.5, rate=4.0, exploration=0.1, probe_interval=1, probe_share=1.0),
+    "control": dict(price=0.5, control_share=0.3),
+    "all": dict(price=4.5, rate=4.0, exploration=0.1, probe_interval=1, probe_share=1.0, control_share=0.1),
 }
 
 
@@ -238,6 +239,8 @@ def test_engine_output_matches_the_target_with_each_adaptive_rule(pair, rule):
     pay_probe, entry_pays = planner._pay_probe, planner._entry_pays
     planner._pay_probe = lambda shape: probes.append(pay_probe(shape)) or probes[-1]
     planner._entry_pays = lambda *args: entries.append(entry_pays(*args)) or entries[-1]
+    controls, draft_plan = [], planner.draft_plan
+    planner.draft_plan = lambda *args: (plan := draft_plan(*args), controls.append(planner._control))[0]
     engine, could_draft, p = run_engine(pair, only(planner, rule))
     stats = engine.stats
     assert stats.accepted < stats.admitted  # rejections happen: the test is not trivial
@@ -251,6 +254,8 @@ def test_engine_output_matches_the_target_with_each_adaptive_rule(pair, rule):
         assert any(entries) and not all(entries), "the catch-up rule never decided both ways"
     if rule == "exploration":
         assert stats.admitted > 0 and stats.trimmed > 0  # explored blocks verified, the rest trimmed
+    if rule in ("control", "all"):
+        assert any(controls) and not all(controls), "control steps never (or always) happened"
     assert p > 1e-3
 
 

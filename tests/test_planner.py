@@ -32,9 +32,9 @@ def cost_model(verify_per_token: float = 0.1, draft_fixed: float = 0.2, draft_pe
     return CostModel(CostProfile(verify, draft), halflife=FROZEN)
 
 
-def planner(k: int = 4, exploration: float = 0.0, **config) -> AdaptivePlanner:
+def planner(k: int = 4, exploration: float = 0.0, control_share: float = 0.0, **config) -> AdaptivePlanner:
     return AdaptivePlanner(k, OnlineAcceptanceEstimator(k), cost_model(),
-                           AdaptiveConfig(exploration=exploration, **config))
+                           AdaptiveConfig(exploration=exploration, control_share=control_share, **config))
 
 
 def drafts_for(counts: list[int], k: int) -> DraftBatch:
@@ -150,7 +150,7 @@ def test_a_slot_of_a_long_request_costs_more_to_draft_and_verify():
     verify = CostCurve.fit({1: 1.0, 64: 1.0 + 63 * 0.1}, per_context=0.001)
     draft = CostCurve.fit({1: 0.22, 64: 0.2 + 64 * 0.02}, per_context=0.001)
     p = AdaptivePlanner(4, OnlineAcceptanceEstimator(4), CostModel(CostProfile(verify, draft), halflife=FROZEN),
-                        AdaptiveConfig(exploration=0.0))
+                        AdaptiveConfig(exploration=0.0, control_share=0.0))
     # price 1 token/s: a slot of gain 0.5 costs 0.02 (row) + 0.1 (verify) + 0.002 * attended
     assert p.choose([0.5, 0.5], [1, 1], 1, 1.0, 4, [1000, 10]) == [1]  # 0.12 + 2.0 > 0.5: the long one stops
     assert p.choose([0.5, 0.5], [1, 1], 1, 1.0, 4, [100, 10]) == [1, 0]  # both pay, the short one first
@@ -180,7 +180,7 @@ def test_stop_rule_values_the_block_ahead_not_the_next_slot_alone():
     def drafts_slot_2(verify: CostCurve) -> bool:
         draft = CostCurve.fit({1: 0.01, 64: 0.64})
         p = AdaptivePlanner(4, OnlineAcceptanceEstimator(4), CostModel(CostProfile(verify, draft), halflife=FROZEN),
-                            AdaptiveConfig(exploration=0.0))
+                            AdaptiveConfig(exploration=0.0, control_share=0.0))
         p.population_feature = 6.0
         p.target_only_rate = lambda shapes: 1.0  # price 1 token per second
         plan = p.draft_plan(requests(1), [4], [RequestShape(1, 0)])
@@ -370,7 +370,7 @@ def _decoding_record(batch, drafted, admitted, accepted, seconds):
 
     class Record:
         requests, times, prefill_tokens, max_slots = batch, StageTimes(0.0, seconds, seconds), 0, [4] * len(batch)
-        drafts = type("D", (), {"forwards": [], "num_drafted": torch.tensor(drafted)})()
+        drafts = type("D", (), {"forwards": [(len(batch), 0)] * max(drafted), "num_drafted": torch.tensor(drafted)})()
         num_admitted, num_accepted = torch.tensor(admitted), torch.tensor(accepted)
         verify_tokens, verify_attended = len(batch) + sum(admitted), 0
         scores = Scores.empty(len(batch))
@@ -402,3 +402,38 @@ def test_the_price_follows_the_requests_in_the_batch_not_earlier_traffic():
     shape = [RequestShape(1, 0)]
     assert p.price([code], shape) == pytest.approx(2.5 * p.target_only_rate(shape), rel=1e-3)
     assert p.price([prose], shape) == pytest.approx(p.target_only_rate(shape))
+
+
+def test_control_steps_decode_the_whole_batch_target_only_at_their_share():
+    from specav.types import StageTimes
+
+    p = planner(4, control_share=0.25, seed=3)
+    p.population_feature = 6.0  # the traffic drafts confidently: outside control steps everyone drafts
+    shapes = [RequestShape(1, 0)] * 3
+    assert p.draft_plan(requests(3), [4, 4, 4], shapes).num_slots == [0, 0, 0]  # no target-only step measured yet
+    p.cost.observe([], 3, 0, StageTimes(0.0, 1.0, 1.0))
+    plans = [p.draft_plan(requests(3), [4, 4, 4], shapes) for _ in range(400)]
+    control = [plan.num_slots == [0, 0, 0] for plan in plans]
+    assert 0.18 < sum(control) / len(control) < 0.32
+    assert all(plan.num_slots == [4, 4, 4] for plan, c in zip(plans, control) if not c)
+    fresh = planner(4, control_share=1.0)  # before anything is known: the cold start, never a control step
+    assert fresh.draft_plan(requests(1), [4], [RequestShape(1, 0)]).num_slots == [4]
+
+
+def test_target_only_is_priced_from_steps_that_drafted_nothing():
+    """A slowdown that is not uniform: verifies of 9 tokens measured 2x their profile, plain
+    one-token steps 1.5x. The verify scale follows the 9-token steps; the target-only rate (the
+    price) follows the plain steps, and before any plain step it stands in with the verify scale."""
+    from specav.types import StageTimes
+
+    p = planner(4)
+    cost, shape = CostModel(p.cost.profile, halflife=2.0), [RequestShape(1, 0)]
+    p.cost = cost
+    for _ in range(30):
+        cost.observe([(1, 0)] * 8, 9, 0, StageTimes(0.1, 2.0 * cost.profile.verify(9), 0.1 + 2.0 * cost.profile.verify(9)))
+    assert cost.plain_seconds(1) == pytest.approx(2.0 * cost.profile.verify(1), rel=1e-3)  # the stand-in
+    for _ in range(30):
+        cost.observe([], 1, 0, StageTimes(0.0, 1.5 * cost.profile.verify(1), 1.5 * cost.profile.verify(1)))
+        cost.observe([(1, 0)] * 8, 9, 0, StageTimes(0.1, 2.0 * cost.profile.verify(9), 0.1 + 2.0 * cost.profile.verify(9)))
+    assert cost.plain_seconds(1) == pytest.approx(1.5 * cost.profile.verify(1), rel=1e-3)
+    assert p.target_only_rate(shape) == pytest.approx(1 / (1.5 * cost.profile.verify(1) + cost.overhead), rel=1e-3)

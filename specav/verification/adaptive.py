@@ -10,7 +10,7 @@ verified unless it buys tokens faster than plain decoding would: with AV on, spe
 meant to never be slower. The speed-up is each request's own (an EMA over its steps, 1 for a
 new request), averaged over the batch: every request must be served, so the time a step takes
 is worth what the requests in it could do with it, not what other traffic did (one global
-rate, lifted by a run of code, priced a prose request's drafts that beat plain decoding out).
+rate, lifted by a run of code, would price a prose request's drafts that beat plain decoding out).
 A request's share of a step's measured time is its target-only share plus the step's extra
 time split over the requests by the predicted cost of their slots.
 
@@ -59,6 +59,10 @@ Rules (survival s_i = product of a request's confidences 1..i, architecture.md):
   depends only on slots ranked above it, which are other requests' slots and its own shallower
   ones: lossless. (An argmax over budgets would look at the request's deeper slots and is
   lossy: tests/test_adaptive_lossless.py shows the distribution tests catch it.)
+* Control. In a share of steps (`control_share`, drawn from the planner's own generator), and
+  in the first step after the cold start until one has been measured, the whole batch decodes
+  target-only, so the cost model's target-only step, the price every rule is held to, stays
+  measured while every request drafts (cost_model.py: the plain scale).
 * Explore. Each step every request, with a probability drawn from the planner's own generator
   (never from the drafts), drafts and verifies its whole block, so deep positions keep getting
   labels while the rules above trim. The probability is set from the cost model so exploring
@@ -175,13 +179,14 @@ class AdaptivePlanner:
         self.history: dict[str, _History] = {}
         self.population_feature = math.nan  # recent mean slot feature over all requests (new requests' prior)
         self.probe_budget = 0.0  # seconds of compute probes may still spend (probe_share of measured steps)
+        self._control = False  # this step is a control step (the whole batch target-only)
 
     # ---- the price of compute -------------------------------------------------------
 
     def target_only_rate(self, shapes: Sequence[RequestShape]) -> float:
         """Tokens per second of target-only decoding of these requests, as the cost model predicts it:
         one token each over their contexts (a prefill step's slow rate is not the price of time)."""
-        seconds = self.cost.verify_seconds(len(shapes), sum(s.context + s.pending - 1 for s in shapes))
+        seconds = self.cost.plain_seconds(len(shapes), sum(s.context + s.pending - 1 for s in shapes))
         return len(shapes) / max(seconds + self.cost.overhead, 1e-9)
 
     def price(self, requests: Sequence[Request], shapes: Sequence[RequestShape]) -> float:
@@ -218,6 +223,11 @@ class AdaptivePlanner:
                    shapes: Sequence[RequestShape]) -> DraftPlan:
         b = len(requests)
         price = self.price(requests, shapes)
+        self._control = self.config.control_share > 0 and b > 0 and not math.isnan(self.population_feature) and (
+            not self.cost.plain_observations  # the first step after the cold start, until one is measured
+            or float(torch.rand(1, generator=self.generator, dtype=torch.float64)) < self.config.control_share)
+        if self._control:  # the whole batch decodes target-only (see the module docstring)
+            return DraftPlan([0] * b, None, torch.zeros(b, dtype=torch.bool), price, tuple(shapes))
         explore = torch.rand(b, generator=self.generator, dtype=torch.float64) < \
             self.exploration_probability(shapes)
         explore &= torch.tensor([m > 0 and s.draft_pending <= _CAUGHT_UP for m, s in zip(max_slots, shapes)],
@@ -398,7 +408,8 @@ class AdaptivePlanner:
         self.cost.observe(record.drafts.forwards, record.verify_tokens, record.verify_attended, record.times)
         if math.isfinite(record.times.total):
             self.probe_budget += self.config.probe_share * max(0.0, record.times.total)
-        if record.times.total > 0 and record.requests and not record.prefill_tokens:
+        if record.times.total > 0 and record.requests and not record.prefill_tokens and not self._control:
+            # (a control step says nothing of the requests' own rates)
             for request, speedup in zip(record.requests, self._speedups(record)):
                 h = self._history(request)
                 h.speedup += self.rate_alpha * (speedup - h.speedup)
@@ -432,7 +443,7 @@ class AdaptivePlanner:
         b = len(record.requests)
         pending = record.verify_tokens - int(record.num_admitted.sum())
         pending_attended = record.verify_attended * pending / max(record.verify_tokens, 1)
-        target_only = (self.cost.verify_seconds(pending, pending_attended) + self.cost.overhead) / b
+        target_only = (self.cost.plain_seconds(pending, pending_attended) + self.cost.overhead) / b
         drafted, admitted = record.drafts.num_drafted.tolist(), record.num_admitted.tolist()
         row, slot = self._draft_row(max(1, sum(1 for d in drafted if d))), self.cost.verify_added(pending, 1)
         weights = [d * row + a * slot for d, a in zip(drafted, admitted)]
