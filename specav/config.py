@@ -282,6 +282,11 @@ class AdaptiveConfig:
         every token the request skipped, so probes are paid from a budget that grows by this
         share of each step's measured time; a due probe waits until the budget covers it.
         Default 0.02 (2%).
+    min_speedup: the least speed-up over target-only decoding that drafting must be predicted to
+        bring before AV drafts (the floor of the price of compute, as a multiple of the target-only
+        rate). Above 1 because predictions err: on the packaged pair, drafting steps' times were
+        predicted within 2-5% and their accepted tokens within 1-8%, and drafts predicted to just
+        break even ran 10% slower than target-only (chat at concurrency 1). Default 1.05.
     control_share: the share of steps in which the whole batch decodes target-only (drawn from the
         planner's generator, never from the drafts), so the cost model keeps measuring the
         target-only step that prices every rule even while every request drafts. Default 0.02 (2%
@@ -298,6 +303,7 @@ class AdaptiveConfig:
     probe_interval: int = 8
     max_probe_interval: int = 64
     probe_share: float = 0.02
+    min_speedup: float = 1.05
     control_share: float = 0.02
     rate_halflife: float = 16.0
     cost_halflife: float = 8.0
@@ -310,6 +316,8 @@ class AdaptiveConfig:
                "a share of compute >= 0 (0.01 = 1%)")
         _check(isinstance(self.probe_share, (int, float)) and math.isfinite(self.probe_share)
                and self.probe_share >= 0, w, "probe_share", self.probe_share, "a share of compute >= 0 (0.02 = 2%)")
+        _check(isinstance(self.min_speedup, (int, float)) and math.isfinite(self.min_speedup)
+               and self.min_speedup >= 1, w, "min_speedup", self.min_speedup, "a speed-up >= 1 (1.05 = 5%)")
         _check(isinstance(self.control_share, (int, float)) and math.isfinite(self.control_share)
                and 0 <= self.control_share <= 1, w, "control_share", self.control_share,
                "a share of steps in [0, 1] (0.02 = 2%)")

@@ -91,10 +91,12 @@ class QSampledEstimator(OnlineAcceptanceEstimator):
 
 
 def make_planner(cls=FixedPricePlanner, scorer=None, exploration: float = 0.0, k: int = K, price: float = PRICE,
-                 cost=None, rate: float | None = None, control_share: float = 0.0, **config):
+                 cost=None, rate: float | None = None, control_share: float = 0.0, min_speedup: float = 1.0,
+                 **config):
+    """The planner at a fixed price (and catch-up rate, times min_speedup); control steps off unless asked."""
     scorer = scorer or OnlineAcceptanceEstimator(k, EstimatorConfig())
-    return cls(k, scorer, cost or cost_model(),
-               AdaptiveConfig(exploration=exploration, control_share=control_share, **config), price=price, rate=rate)
+    config = AdaptiveConfig(exploration=exploration, control_share=control_share, min_speedup=min_speedup, **config)
+    return cls(k, scorer, cost or cost_model(), config, price=price, rate=rate)
 
 
 def lossy_q_sampled_planner(cls=FixedPricePlanner, **kw):

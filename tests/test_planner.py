@@ -321,13 +321,13 @@ def test_a_lossy_scorer_is_refused():
         AdaptivePlanner(4, QSampledScorer(), cost_model())
 
 
-def test_price_is_never_below_the_target_only_rate():
+def test_price_is_never_below_min_speedup_times_the_target_only_rate():
     p = planner(4)
     shapes = [RequestShape(1, 0)] * 4
     batch = requests(4)
     for r in batch:
         p._history(r).speedup = 0.5  # speculation measured slower than target-only
-    assert p.price(batch, shapes) == pytest.approx(p.target_only_rate(shapes))
+    assert p.price(batch, shapes) == pytest.approx(1.05 * p.target_only_rate(shapes))  # min_speedup's margin
     for r, speedup in zip(batch, (2.0, 2.0, 1.0, 1.0)):
         p._history(r).speedup = speedup
     assert p.price(batch, shapes) == pytest.approx(1.5 * p.target_only_rate(shapes))  # the batch's mean
@@ -401,7 +401,7 @@ def test_the_price_follows_the_requests_in_the_batch_not_earlier_traffic():
         p.observe(_decoding_record([code], [4], [4], [4], 2 * target_only))  # 5 tokens in 2 steps' time
     shape = [RequestShape(1, 0)]
     assert p.price([code], shape) == pytest.approx(2.5 * p.target_only_rate(shape), rel=1e-3)
-    assert p.price([prose], shape) == pytest.approx(p.target_only_rate(shape))
+    assert p.price([prose], shape) == pytest.approx(p.config.min_speedup * p.target_only_rate(shape))
 
 
 def test_control_steps_decode_the_whole_batch_target_only_at_their_share():
@@ -437,3 +437,29 @@ def test_target_only_is_priced_from_steps_that_drafted_nothing():
         cost.observe([(1, 0)] * 8, 9, 0, StageTimes(0.1, 2.0 * cost.profile.verify(9), 0.1 + 2.0 * cost.profile.verify(9)))
     assert cost.plain_seconds(1) == pytest.approx(1.5 * cost.profile.verify(1), rel=1e-3)
     assert p.target_only_rate(shape) == pytest.approx(1 / (1.5 * cost.profile.verify(1) + cost.overhead), rel=1e-3)
+
+
+def test_drafting_at_all_pays_the_premium_of_a_drafting_step():
+    """Where steps that draft verify slower than steps that do not (the verify scale above the plain
+    one), slot 1 of a step nothing else drafts in pays that premium: the same confident request
+    drafts without it and decodes target-only when the premium exceeds its block's value."""
+    def drafts(premium_scale: float, priced: bool = True) -> int:
+        p = planner(4)
+        p.population_feature = 3.0
+        p.target_only_rate = lambda shapes: 1.0  # the price held at 1 token per second
+        p.cost.plain_observations = 1
+        p.cost.log_scale["verify"] = math.log(premium_scale)  # the plain scale stays 1
+        if not priced:
+            p.cost.drafting_premium = lambda *args: 0.0
+        return p.draft_plan(requests(1), [4], [RequestShape(1, 0)]).num_slots[0]
+
+    assert drafts(1.0) == 4  # no premium (and the verify curve's slots cost 0.1 s each)
+    assert drafts(4.0) == 0  # the step's verify costs 3 s more once it drafts
+    assert drafts(4.0, priced=False) == 4  # the premium, not the dearer slots, is what stops it
+
+
+@pytest.mark.parametrize("field, bad", [("min_speedup", 0.9), ("min_speedup", math.nan), ("control_share", 1.5),
+                                        ("control_share", -0.1), ("exploration", -1.0), ("probe_interval", 0)])
+def test_adaptive_config_refuses_invalid_knobs_by_name(field, bad):
+    with pytest.raises(ValueError, match=field):
+        AdaptiveConfig(**{field: bad})

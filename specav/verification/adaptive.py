@@ -4,9 +4,10 @@ Owns the adaptive planner: its price of compute, its per-request history, and it
 Every rule compares an expected gain in tokens with a cost in seconds converted to tokens by
 the price lambda (tokens per second): maximising the long-run rate tokens / seconds is
 maximising tokens - lambda * seconds at the optimal rate, and lambda is re-estimated from
-measured steps (Dinkelbach's iteration). lambda = max(1, the batch's measured speed-up over
-target-only decoding) x the target-only rate of the current batch, so nothing is drafted or
-verified unless it buys tokens faster than plain decoding would: with AV on, speculation is
+measured steps (Dinkelbach's iteration). lambda = max(`min_speedup`, the batch's measured
+speed-up over target-only decoding) x the target-only rate of the current batch, so nothing is
+drafted or verified unless it buys tokens faster than plain decoding would, by a margin
+(min_speedup, default 1.05) against the errors of the predictions: with AV on, speculation is
 meant to never be slower. The speed-up is each request's own (an EMA over its steps, 1 for a
 new request), averaged over the batch: every request must be served, so the time a step takes
 is worth what the requests in it could do with it, not what other traffic did (one global
@@ -107,18 +108,19 @@ class _History:
 
 
 def select_prefix(gains: Sequence[float], tokens: Sequence[int], committed_tokens: int, price: float,
-                  forward_seconds, slot_seconds: Sequence[float]) -> int:
+                  forward_seconds, slot_seconds: Sequence[float], fixed_seconds: float = 0.0) -> int:
     """How many of the candidates (in the order given: best first) join a forward.
 
     gains: expected tokens of each candidate's next slot; tokens: what each feeds the forward;
     committed_tokens: tokens already in the forward (0: the forward's whole cost is at stake);
     forward_seconds(tokens) -> seconds; slot_seconds: what each candidate's slot costs beyond its
-    tokens' share of the forward (verifying it, and attention in both models).
+    tokens' share of the forward (verifying it, and attention in both models); fixed_seconds: paid
+    once if any candidate joins (the drafting premium of a step nothing else drafts in).
     Maximises sum(gains[:n]) - price * (forward(committed + tokens[:n]) - forward(committed)
-    + sum(slot_seconds[:n])) over n.
+    + sum(slot_seconds[:n]) + fixed_seconds [n > 0]) over n.
     """
     base = forward_seconds(committed_tokens) if committed_tokens else 0.0
-    best_n, best, gain, fed, extra = 0, 0.0, 0.0, committed_tokens, 0.0
+    best_n, best, gain, fed, extra = 0, 0.0, 0.0, committed_tokens, fixed_seconds
     for n, (g, t, e) in enumerate(zip(gains, tokens, slot_seconds), start=1):
         gain += g
         fed += t
@@ -192,7 +194,7 @@ class AdaptivePlanner:
     def price(self, requests: Sequence[Request], shapes: Sequence[RequestShape]) -> float:
         """lambda: tokens per second a second of this batch's compute is worth (see the module docstring)."""
         speedup = sum(self._history(r).speedup for r in requests) / max(len(requests), 1)
-        return max(1.0, speedup) * self.target_only_rate(shapes)
+        return max(self.config.min_speedup, speedup) * self.target_only_rate(shapes)
 
     def exploration_probability(self, shapes: Sequence[RequestShape]) -> float:
         """Per request this step: exploring then costs `exploration` x the step's time on average
@@ -207,14 +209,14 @@ class AdaptivePlanner:
         return min(1.0, self.config.exploration * step / (len(shapes) * max(block, 1e-12)))
 
     def choose(self, gains: list[float], tokens: list[int], committed_tokens: int, price: float,
-               verify_tokens: int, attended: list[int]) -> list[int]:
+               verify_tokens: int, attended: list[int], fixed_seconds: float = 0.0) -> list[int]:
         """Indices of the candidates that join the next drafter forward (the draft rule); attended:
-        the positions each candidate's slot attends to (in both models)."""
+        the positions each candidate's slot attends to (in both models); fixed_seconds: see select_prefix."""
         verify_marginal, per_position = self.cost.verify_added(verify_tokens, 1), self.cost.per_position()
         extra = [verify_marginal + per_position * a for a in attended]
         order = sorted(range(len(gains)), key=lambda i: (-(gains[i] - price * extra[i]), i))  # best net gain first
         n = select_prefix([gains[i] for i in order], [tokens[i] for i in order], committed_tokens, price,
-                          self.cost.draft_seconds, [extra[i] for i in order])
+                          self.cost.draft_seconds, [extra[i] for i in order], fixed_seconds)
         return order[:n]
 
     # ---- draft ---------------------------------------------------------------------------
@@ -235,7 +237,7 @@ class AdaptivePlanner:
         num_slots = [0] * b
         forced: list[int] = []
         candidates: list[int] = []
-        rate = self.target_only_rate(shapes)  # what a catch-up must beat, and a row's share of a forward
+        rate = self.config.min_speedup * self.target_only_rate(shapes)  # what a catch-up must beat
         entry_row = self._draft_row(len(shapes))
         pending = sum(s.pending for s in shapes)  # tokens the target verifies before any slot
         for i in self._cold_start(requests, max_slots, shapes):
@@ -289,7 +291,8 @@ class AdaptivePlanner:
         Predicted from the request's feature history at every slot, its block priced at `draft_row`
         seconds per drafted row, after the batch's `pending` tokens."""
         expected = self._predicted_blocks(self._history_features([request]), torch.ones(1, dtype=torch.float64))[0]
-        block_seconds = self._block_seconds(pending, draft_row, [shape.slot_attended])[0]
+        block_seconds = self._block_seconds(pending, draft_row, [shape.slot_attended])[0] + \
+            self.cost.drafting_premium(pending)  # as if nothing else drafted in its steps
         values = expected - rate * block_seconds
         best = int(values.argmax())
         if values[best] <= 0:
@@ -325,7 +328,9 @@ class AdaptivePlanner:
         history = self._history_features([requests[i] for i in candidates])
         gains = self.block_gains(history, torch.ones(len(candidates), dtype=torch.float64), 0, price,
                                  verify_tokens, draft_row, slot_attended)
-        chosen = self.choose(gains, [1] * len(candidates), len(forced), price, verify_tokens, slot_attended)
+        # nothing forced: the first candidate makes this a drafting step, whose verify costs more
+        premium = 0.0 if forced else self.cost.drafting_premium(verify_tokens, sum(s.context for s in shapes))
+        chosen = self.choose(gains, [1] * len(candidates), len(forced), price, verify_tokens, slot_attended, premium)
         return {candidates[j] for j in chosen}
 
     def block_gains(self, features: torch.Tensor, prefix: torch.Tensor, start: int, price: float,

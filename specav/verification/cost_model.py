@@ -179,6 +179,12 @@ class CostModel:
         """Seconds that `more` tokens (attending to `attended` positions) add to a verify of `tokens`."""
         return self.profile.verify.added(tokens, more, attended) * self.scale("verify")
 
+    def drafting_premium(self, tokens: float, attended: float = 0.0) -> float:
+        """What a step's verify of `tokens` pending tokens costs more when the step drafts than when it
+        does not (the verify scale over the plain one; 0 when the verify scale is the lower): a
+        fixed cost of drafting at all, which the first slot of a step must pay."""
+        return max(0.0, self.verify_seconds(tokens, attended) - self.plain_seconds(tokens, attended))
+
     def per_position(self) -> float:
         """Seconds one attended position costs the two stages together (a slot attends in both)."""
         draft = self.profile.draft.per_context * self.scale("draft") if self.profile.draft else 0.0
@@ -202,10 +208,9 @@ class CostModel:
             stages.append(("plain", profiled_verify, measured.verify))
         for stage, profiled, seconds in stages:
             if profiled > 0 and seconds > 0 and math.isfinite(seconds):
-                # the plain scale is a running mean of its first 1 / alpha steps (the verify scale it
-                # stands in for until then is no evidence of it), then an EMA like the others
-                alpha = max(self.alpha, 1.0 / (self.plain_observations + 1)) if stage == "plain" else self.alpha
-                self.log_scale[stage] += alpha * (math.log(seconds / profiled) - self.log_scale[stage])
+                if stage == "plain" and not self.plain_observations:
+                    self.log_scale[stage] = self.log_scale["verify"]  # it moves on from the scale it stood in for
+                self.log_scale[stage] += self.alpha * (math.log(seconds / profiled) - self.log_scale[stage])
                 self.plain_observations += stage == "plain"
         rest = measured.total - measured.draft - measured.verify
         if math.isfinite(rest):
