@@ -27,7 +27,8 @@ Rules (survival s_i = product of a request's confidences 1..i, architecture.md):
   priced at a row's share of a forward). Sorted by net gain (g less the price of its slot's own
   costs), the requests drafting slot j are the prefix n that maximises sum(g) - lambda *
   (drafter forward over their tokens + their n verified slots + attention to their contexts in
-  both models); n = 0 stops drafting. Lossless: it reads q_1..q_{j-1} of the request and
+  both models), and at slot 1 of a step nothing else drafts in, once, the drafting premium
+  (cost_model.py: a step that drafts verifies slower than one that does not); n = 0 stops drafting. Lossless: it reads q_1..q_{j-1} of the request and
   anything of the others, never x_j or what follows from it.
 * Skip and probe. A request the rule leaves out at slot 1 does not draft for `probe_interval`
   steps (it decodes target-only; its drafter catches up on the skipped tokens in one packed
