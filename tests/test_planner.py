@@ -32,6 +32,19 @@ def cost_model(verify_per_token: float = 0.1, draft_fixed: float = 0.2, draft_pe
     return CostModel(CostProfile(verify, draft), halflife=FROZEN)
 
 
+def _decoding_record(batch, drafted, admitted, accepted, seconds):
+    """What observe reads of a step record: a decoding step (one pending token each, no context)."""
+    from specav.types import StageTimes
+
+    class Record:
+        requests, times, prefill_tokens, max_slots = batch, StageTimes(0.0, seconds, seconds), 0, [4] * len(batch)
+        drafts = type("D", (), {"forwards": [(len(batch), 0)] * max(drafted, default=0), "num_drafted": torch.tensor(drafted)})()
+        num_admitted, num_accepted = torch.tensor(admitted), torch.tensor(accepted)
+        verify_tokens, verify_attended = len(batch) + sum(admitted), 0
+        scores = Scores.empty(len(batch))
+    return Record()
+
+
 def planner(k: int = 4, exploration: float = 0.0, control_share: float = 0.0, **config) -> AdaptivePlanner:
     return AdaptivePlanner(k, OnlineAcceptanceEstimator(k), cost_model(),
                            AdaptiveConfig(exploration=exploration, control_share=control_share, **config))
@@ -235,18 +248,9 @@ def test_a_due_probe_waits_for_its_budget_and_pays_its_catch_up():
 
 
 def test_the_probe_budget_grows_by_its_share_of_measured_steps():
-    from specav.types import StageTimes
-
     p = planner(4, probe_share=0.05)
-
-    class Record:  # what observe reads of a step record, for a step where nothing drafted
-        requests, times = [], StageTimes(0.0, 0.08, 0.1)
-        drafts = type("D", (), {"forwards": [], "num_drafted": torch.zeros(0, dtype=torch.int64)})()
-        verify_tokens, verify_attended = 1, 10
-        scores = Scores.empty(0)
-
     for _ in range(4):
-        p.observe(Record())
+        p.observe(_decoding_record([], [], [], [], 0.1))
     assert p.probe_budget == pytest.approx(4 * 0.05 * 0.1)
 
 
@@ -362,19 +366,6 @@ def test_a_catch_up_is_made_only_when_drafting_is_predicted_to_repay_it():
     p.population_feature = -6.0  # doubtful traffic: no remaining length repays it
     doubtful = Request([1] * 40, SamplingParams(max_tokens=400), request_id="d")
     assert p.draft_plan([doubtful], [4], [shape]).num_slots == [0]
-
-
-def _decoding_record(batch, drafted, admitted, accepted, seconds):
-    """What observe reads of a decoding step (one pending token each, no context)."""
-    from specav.types import StageTimes
-
-    class Record:
-        requests, times, prefill_tokens, max_slots = batch, StageTimes(0.0, seconds, seconds), 0, [4] * len(batch)
-        drafts = type("D", (), {"forwards": [(len(batch), 0)] * max(drafted), "num_drafted": torch.tensor(drafted)})()
-        num_admitted, num_accepted = torch.tensor(admitted), torch.tensor(accepted)
-        verify_tokens, verify_attended = len(batch) + sum(admitted), 0
-        scores = Scores.empty(len(batch))
-    return Record()
 
 
 def test_each_request_is_credited_its_own_speed_up():

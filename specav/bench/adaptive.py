@@ -20,10 +20,11 @@ Every row is measured in this one process, the methods taking turns per cell (ta
 then the static Ks; the order reversed every other turn, so target-only and AV, the comparison
 every goal rests on, always run next to each other), after one warm-up request per method; with
 `--rounds N` each cell takes N turns and its figures are over all of them (speeds here drift
-10-20% within minutes: two rounds in opposite orders cancel a steady drift). Printed per cell: tokens/s, the ratio to
-target-only, to the best static K and to the oracle, tokens per step, slots drafted / verified per
-step, requests that skipped drafting; then AV's goals (issue 11) met or missed, and the share of
-AV's step time spent in its planner, estimator and cost model. This program owns no engine logic.
+10-20% within minutes: two rounds in opposite orders cancel a steady drift). Printed per cell:
+tokens/s, the ratio to target-only, to the best static K and to the oracle, tokens per step,
+slots drafted / verified per step, requests that skipped drafting; then AV's goals (issue 11)
+met or missed, and the share of AV's step time spent in its planner, estimator and cost model.
+This program owns no engine logic.
 """
 
 from __future__ import annotations

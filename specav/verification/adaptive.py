@@ -11,8 +11,8 @@ drafted or verified unless it buys tokens faster than plain decoding would, by a
 meant to never be slower. The speed-up is each request's own (an EMA over its steps, 1 for a
 new request), averaged over the batch: every request must be served, so the time a step takes
 is worth what the requests in it could do with it, not what other traffic did (one global
-rate, lifted by a run of code, would price a prose request's drafts that beat plain decoding out).
-A request's share of a step's measured time is its target-only share plus the step's extra
+rate, lifted by a run of code, would price a prose request's drafts that beat plain decoding
+out). A request's share of a step's measured time is its target-only share plus the step's extra
 time split over the requests by the predicted cost of their slots.
 
 Rules (survival s_i = product of a request's confidences 1..i, architecture.md):
@@ -28,8 +28,9 @@ Rules (survival s_i = product of a request's confidences 1..i, architecture.md):
   costs), the requests drafting slot j are the prefix n that maximises sum(g) - lambda *
   (drafter forward over their tokens + their n verified slots + attention to their contexts in
   both models), and at slot 1 of a step nothing else drafts in, once, the drafting premium
-  (cost_model.py: a step that drafts verifies slower than one that does not); n = 0 stops drafting. Lossless: it reads q_1..q_{j-1} of the request and
-  anything of the others, never x_j or what follows from it.
+  (cost_model.py: a step that drafts verifies slower than one that does not); n = 0 stops
+  drafting. Lossless: it reads q_1..q_{j-1} of the request and anything of the others, never
+  x_j or what follows from it.
 * Skip and probe. A request the rule leaves out at slot 1 does not draft for `probe_interval`
   steps (it decodes target-only; its drafter catches up on the skipped tokens in one packed
   forward when it drafts again), then drafts slot 1 whatever the rule says, so fresh features

@@ -164,10 +164,9 @@ class CostModel:
         return self.profile.verify(tokens, attended) * self.scale("verify")
 
     def plain_seconds(self, tokens: float, attended: float = 0.0) -> float:
-        """The verify stage of a step that drafts nothing (target-only decoding): its own scale once
-        such a step has been measured, the verify scale before."""
-        stage = "plain" if self.plain_observations else "verify"
-        return self.profile.verify(tokens, attended) * self.scale(stage)
+        """The verify stage of a step that drafts nothing (target-only decoding), at the plain scale
+        (the verify scale's until such a step has been measured)."""
+        return self.profile.verify(tokens, attended) * self.scale("plain")
 
     def draft_added(self, tokens: float, more: float, attended: float = 0.0) -> float:
         """Seconds that `more` rows (attending to `attended` positions) add to a drafter forward of `tokens`."""
@@ -208,10 +207,10 @@ class CostModel:
             stages.append(("plain", profiled_verify, measured.verify))
         for stage, profiled, seconds in stages:
             if profiled > 0 and seconds > 0 and math.isfinite(seconds):
-                if stage == "plain" and not self.plain_observations:
-                    self.log_scale[stage] = self.log_scale["verify"]  # it moves on from the scale it stood in for
                 self.log_scale[stage] += self.alpha * (math.log(seconds / profiled) - self.log_scale[stage])
                 self.plain_observations += stage == "plain"
+            if stage == "verify" and not self.plain_observations:
+                self.log_scale["plain"] = self.log_scale["verify"]  # it stands in until a plain step is measured
         rest = measured.total - measured.draft - measured.verify
         if math.isfinite(rest):
             self.overhead += self.alpha * (max(0.0, rest) - self.overhead)
