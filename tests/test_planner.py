@@ -414,7 +414,8 @@ def test_control_steps_decode_the_whole_batch_target_only_at_their_share():
 def test_target_only_is_priced_from_steps_that_drafted_nothing():
     """A slowdown that is not uniform: verifies of 9 tokens measured 2x their profile, plain
     one-token steps 1.5x. The verify scale follows the 9-token steps; the target-only rate (the
-    price) follows the plain steps, and before any plain step it stands in with the verify scale."""
+    price) follows the plain steps, and before any plain step it stands in with the verify scale
+    (and the other way round)."""
     from specav.types import StageTimes
 
     p = planner(4)
@@ -428,6 +429,21 @@ def test_target_only_is_priced_from_steps_that_drafted_nothing():
         cost.observe([(1, 0)] * 8, 9, 0, StageTimes(0.1, 2.0 * cost.profile.verify(9), 0.1 + 2.0 * cost.profile.verify(9)))
     assert cost.plain_seconds(1) == pytest.approx(1.5 * cost.profile.verify(1), rel=1e-3)
     assert p.target_only_rate(shape) == pytest.approx(1 / (1.5 * cost.profile.verify(1) + cost.overhead), rel=1e-3)
+    # and the plain steps leave the drafting steps' scale alone, however many of them there are
+    for _ in range(200):
+        cost.observe([], 1, 0, StageTimes(0.0, 1.5 * cost.profile.verify(1), 1.5 * cost.profile.verify(1)))
+    assert cost.verify_seconds(9) == pytest.approx(2.0 * cost.profile.verify(9), rel=1e-3)
+    assert cost.drafting_premium(1) == pytest.approx(0.5 * cost.profile.verify(1), rel=1e-3)
+    assert cost.predict([], 1, 0).verify == pytest.approx(cost.plain_seconds(1))  # a target-only step
+    fresh = CostModel(p.cost.profile, halflife=2.0)  # plain steps only: the verify scale stands in with theirs
+    for _ in range(30):
+        fresh.observe([], 1, 0, StageTimes(0.0, 1.5 * cost.profile.verify(1), 1.5 * cost.profile.verify(1)))
+    assert fresh.verify_seconds(9) == pytest.approx(1.5 * cost.profile.verify(9), rel=1e-3)
+    assert fresh.drafting_premium(1) == 0.0
+    before = dict(cost.log_scale)  # a prompt's prefill teaches the drafter's scale (its catch-up), not the target's
+    cost.observe([(300, 0)], 300, 0, StageTimes(0.5, 0.1, 0.6), prefill=True)
+    assert cost.log_scale["verify"] == before["verify"] and cost.log_scale["plain"] == before["plain"]
+    assert cost.log_scale["draft"] != before["draft"]
 
 
 def test_drafting_at_all_pays_the_premium_of_a_drafting_step():

@@ -412,7 +412,8 @@ class AdaptivePlanner:
     # ---- observe -------------------------------------------------------------------------
 
     def observe(self, record: StepRecord) -> None:
-        self.cost.observe(record.drafts.forwards, record.verify_tokens, record.verify_attended, record.times)
+        self.cost.observe(record.drafts.forwards, record.verify_tokens, record.verify_attended, record.times,
+                          prefill=bool(record.prefill_tokens))
         if math.isfinite(record.times.total):
             self.probe_budget += self.config.probe_share * max(0.0, record.times.total)
         if record.times.total > 0 and record.requests and not record.prefill_tokens and not self._control:
