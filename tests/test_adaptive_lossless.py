@@ -231,7 +231,7 @@ RULES = {  # rule -> planner settings that make it fire often on the tiny pair
     "no draft": dict(price=4.5, rate=4.0, probe_interval=1, probe_share=1.0),
     "exploration": dict(price=50.0, exploration=0.3),
     "control": dict(price=0.5, control_share=0.3),
-    "all": dict(price=4.5, rate=4.0, exploration=0.1, probe_interval=1, probe_share=1.0, control_share=0.1),
+    "all": dict(price=3.5, rate=4.0, exploration=0.1, probe_interval=1, probe_share=1.0, control_share=0.1),
 }
 
 

@@ -12,8 +12,8 @@ step times.
 The verify stage has two online scales: `verify`, learnt from steps that drafted, and `plain`,
 from steps that drafted nothing (target-only decoding, the price every rule is held to); until
 one of them has been measured it stands in with the other's. A slowdown is not always uniform
-over token counts, and a step that drafts verifies slower than its profile says even where one
-that does not keeps to it. Code at concurrency 4 on a machine running at about half its
+over token counts: in the traces the two kinds of step drifted apart from the profile by
+different amounts, in either direction. Code at concurrency 4 on a machine running at about half its
 profiled speed: AV's steps were predicted at 0.97x their measured time, yet it drafted 11 slots
 per step at 0.76x target-only, because the target-only step its price came from was predicted
 with the scale of its own 11-17-token verifies. Prose at concurrency 1, the other way round:
