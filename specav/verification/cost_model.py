@@ -12,8 +12,8 @@ step times.
 The verify stage has two online scales: `verify`, learnt from steps that drafted, and `plain`,
 from steps that drafted nothing (target-only decoding, the price every rule is held to); until
 one of them has been measured it stands in with the other's. A slowdown is not always uniform
-over token counts: in the traces the two kinds of step drifted apart from the profile by
-different amounts, in either direction. Code at concurrency 4 on a machine running at about half its
+over token counts: in the traces the two kinds of step drifted from the profile by different
+amounts, in either direction. Code at concurrency 4 on a machine running at about half its
 profiled speed: AV's steps were predicted at 0.97x their measured time, yet it drafted 11 slots
 per step at 0.76x target-only, because the target-only step its price came from was predicted
 with the scale of its own 11-17-token verifies. Prose at concurrency 1, the other way round:
@@ -210,12 +210,11 @@ class CostModel:
         1506 predicted for code prompts on the AMD EPYC). Its drafter forward, the prompt's
         catch-up, does teach the draft scale: catch-ups are what entries and probes are priced by."""
         profiled_draft = sum(self.profile.draft(t, a) for t, a in forwards) if self.profile.draft else 0.0
-        profiled_verify = self.profile.verify(verify_tokens, verify_attended)
-        verify = "verify" if forwards else "plain"
-        for stage, profiled, seconds in (("draft", profiled_draft, measured.draft), (verify, profiled_verify,
-                                                                                     measured.verify)):
-            if stage != "draft" and prefill:
-                continue
+        stages = [("draft", profiled_draft, measured.draft)]
+        if not prefill:
+            stages.append(("verify" if forwards else "plain", self.profile.verify(verify_tokens, verify_attended),
+                           measured.verify))
+        for stage, profiled, seconds in stages:
             if profiled > 0 and seconds > 0 and math.isfinite(seconds):
                 self.log_scale[stage] += self.alpha * (math.log(seconds / profiled) - self.log_scale[stage])
                 self.verify_observations += stage == "verify"
