@@ -179,9 +179,9 @@ def test_requests_with_logit_transforms_leave_the_estimator_statistics_untouched
                                                                              logit_bias=()))])
     assert alone["num_refits"] > 0
 
-    def same(a, b):
-        return all(torch.allclose(torch.as_tensor(a[k]).double(), torch.as_tensor(b[k]).double(), atol=1e-9)
-                   for k in a)
+    def same(a, b):  # to float32 rounding: a batch's composition may move the drafter's logits by an ulp
+        return all(torch.allclose(torch.as_tensor(a[k]).double(), torch.as_tensor(b[k]).double(),
+                                  rtol=1e-5, atol=1e-5) for k in a)
 
     assert same(alone, with_transformed)
     assert not same(alone, control)  # the same request without transforms does teach the estimator

@@ -278,3 +278,24 @@ def test_sample_uniform_rounding_up_to_the_total_draws_the_last_token_with_weigh
     monkeypatch.setattr(torch, "rand", lambda *a, **k: torch.ones(1, dtype=torch.float64))  # u * total == total
     assert sample(probs, [torch.Generator()] * 2).tolist() == [2, 3]
     assert categorical(probs[0], torch.Generator()) == 2
+
+
+@pytest.mark.parametrize("v", [5, 1024, 3000, 151_936])
+def test_sample_two_levels_equal_the_one_level_inverse_cdf(v):
+    """sample finds the block, then the token in it; for the same uniforms it must pick the token a
+    float64 cumulative sum over the whole row picks (sparse rows, supports across block edges, a
+    last block shorter than the others)."""
+    g = torch.Generator().manual_seed(v)
+    probs = torch.rand(6, v, generator=g) * (torch.rand(6, v, generator=g) < 0.3)  # [N, V], ~70% zeros
+    probs[:, v // 2] += 0.5  # no row without weight
+    probs[0] = 0.0
+    probs[0, [0, v - 1]] = 1.0  # only the first and the last token
+    probs[1] = 0.0
+    probs[1, min(1023, v - 1)] = 2.0
+    cdf = torch.cumsum(probs, -1, dtype=torch.float64)
+    for seed in range(40):
+        u = torch.rand(1, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+        expected = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)[:, 0].clamp(max=v - 1)
+        drawn = sample(probs, [torch.Generator().manual_seed(seed) for _ in range(6)])
+        assert torch.equal(drawn, expected), seed
+        assert bool((probs.gather(1, drawn[:, None]) > 0).all())

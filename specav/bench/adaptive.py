@@ -42,6 +42,7 @@ from specav.engine.engine import Engine, eos_token_ids
 from specav.engine.profile import PROFILE_FILE, load_or_profile, profile_key
 from specav.evaluation.workloads import load_workload
 from specav.models import check_same_vocabulary, load_checkpoint, packaged
+from specav.models.native.probe import cpu_model
 from specav.types import StepRecord
 from specav.verification.cost_model import CostModel, CostProfile
 
@@ -261,7 +262,7 @@ def main() -> None:
                               max(concurrencies) * (args.av_k + 1), max(concurrencies))
     methods = [("target-only", 0, False)] + [(f"static K={k}", k, False) for k in ks] + [("AV", args.av_k, True)]
     turns = [methods[0], methods[-1]] + methods[1:-1]  # target-only and AV adjacent in either order
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
+    cpu = cpu_model()
     print(f"packaged pair, {args.dtype}, {torch.get_num_threads()} threads, {cpu}; {args.requests} requests x "
           f"{args.max_tokens} tokens per cell (EOS ignored), temperature 0.7, top-k 20, top-p 0.8")
     for name, k, adaptive in methods:  # warm-up: first-call allocations, kernel plans

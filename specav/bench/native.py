@@ -37,6 +37,7 @@ import torch
 from specav.bench.load import foreign_load
 from specav.bench.quantized import time_forward
 from specav.models import load_checkpoint, native, packaged
+from specav.models.native.probe import cpu_model
 from specav.models.native.variants import VARIANTS
 from specav.models.quant_gguf import read_header
 from specav.models.quant_kernels import KQuantWeight
@@ -47,10 +48,6 @@ FORWARD_ROWS = (1, 5, 16)
 CONTEXT = 128
 _FLUSH = torch.zeros(64 << 18)  # 64 MiB, past the last-level cache
 
-
-def _cpu() -> str:
-    with open("/proc/cpuinfo") as f:
-        return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "unknown")
 
 
 def kernel_table(repeats: int) -> None:
@@ -171,7 +168,7 @@ def main(argv: list[str] | None = None) -> None:
     skip = set(filter(None, args.skip.split(",")))
     torch.set_num_threads(args.threads)
     variant = native.selected()
-    print(f"{_cpu()}, {os.cpu_count()} cores, torch {torch.__version__}, {args.threads} threads; native variant "
+    print(f"{cpu_model()}, {os.cpu_count()} cores, torch {torch.__version__}, {args.threads} threads; native variant "
           f"{variant.name if variant else 'none'} ({native.ops().isa() if variant else native.unavailable_reason()})")
     if "kernels" not in skip:
         kernel_table(args.repeats)

@@ -110,7 +110,7 @@ class DraftModelDrafter:
         q_sampled (lossy) and q_max after top-k/top-p (both logged for evaluation, never scored)."""
         f = compute_slot_features(rows.scaled_logits(logits), probs, tokens, self.feature_clamp)
         values = {name: getattr(f, name) for name in FEATURE_NAMES if name != "q_max_truncated"}
-        values["q_max_truncated"] = probs.max(dim=-1).values
+        values["q_max_truncated"] = probs.amax(dim=-1)
         return values
 
     def commit(self, requests: Sequence[Request], drafts: DraftBatch, result: AcceptResult) -> None:

@@ -49,6 +49,7 @@ from tqdm import tqdm
 
 from specav.models import native
 from specav.models.cache import atomic_write
+from specav.models.native.probe import cpu_model
 from specav.models.quant_formats import GGUFWeight, requantize_q4_k
 from specav.models.quant_kernels import KERNELS, Int4Weight, KQuantWeight, PackedWeight
 
@@ -207,7 +208,7 @@ def shape_key(qtype: gguf.GGMLQuantizationType, shape: tuple[int, int]) -> str:
 
 def machine_key() -> str:
     """CPU, torch and native-kernel build: timings taken with another kernel build are not reused."""
-    return (f"{_cpu_name()} | {torch.backends.cpu.get_cpu_capability()} | torch {torch.__version__} | "
+    return (f"{cpu_model()} | {torch.backends.cpu.get_cpu_capability()} | torch {torch.__version__} | "
             f"kquant {native.build_key()} | 1 thread")
 
 
@@ -243,15 +244,6 @@ def measure(candidates: dict[str, PackedWeight], rows: tuple[int, ...] = ROW_BUC
         torch.set_num_threads(threads)
     return {k: [round(t * 1e3, 4) for t in v] for k, v in best.items()}
 
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown cpu"
 
 
 def _read_profile(path: Path) -> dict:

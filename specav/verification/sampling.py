@@ -30,6 +30,8 @@ from typing import Sequence
 
 import torch
 
+from specav.topk import scaled_top_k
+
 
 class NonFiniteLogitsError(ValueError):
     """Rows of logits with NaN or +inf entries, or no finite entry: there is no distribution to sample."""
@@ -112,22 +114,30 @@ def processed_probs(
     bad = non_finite_rows(logits)
     if bool(bad.any()):
         raise NonFiniteLogitsError(bad.nonzero().flatten().tolist())
-    scaled = temperature_logits(logits.float(), temperature)
+    logits32 = logits.float().contiguous()
     top_k = top_k.to(device=logits.device, dtype=torch.int64)
+    top_p = top_p.to(logits.device)
     greedy = temperature.to(logits.device) == 0
     sparse = (top_k > 0) & (top_k <= min(_SPARSE_TOP_K, logits.shape[-1] - 1)) & ~greedy
     if not bool(sparse.any()):
-        return _apply_greedy(_dense_probs(scaled, top_k, top_p), logits, temperature)
-    probs = torch.empty_like(scaled)
+        return _apply_greedy(_dense_probs(temperature_logits(logits32, temperature), top_k, top_p), logits, temperature)
+    n = logits.shape[0]
+    probs = torch.zeros_like(logits32)
     dense = ~sparse
     for k in top_k[sparse].unique().tolist():
         rows = (sparse & (top_k == k)).nonzero().flatten()
-        part, untied = _top_k_candidate_probs(scaled[rows], k, top_p.to(logits.device)[rows])
-        probs[rows[untied]] = part[untied]
-        dense[rows[~untied]] = True
+        whole = rows.numel() == n  # every row in this group (the usual batch): no copies of rows
+        index, part, untied = _top_k_candidate_probs(logits32 if whole else logits32[rows],
+                                                     temperature.float()[rows], k, top_p[rows])
+        if whole and bool(untied.all()):
+            probs.scatter_(1, index, part)
+        else:
+            kept = rows[untied]
+            probs[kept] = torch.zeros(kept.numel(), logits.shape[-1]).scatter_(1, index[untied], part[untied])
+            dense[rows[~untied]] = True
     rows = dense.nonzero().flatten()
     if rows.numel():
-        probs[rows] = _dense_probs(scaled[rows], top_k[rows], top_p.to(logits.device)[rows])
+        probs[rows] = _dense_probs(temperature_logits(logits32[rows], temperature[rows]), top_k[rows], top_p[rows])
     return _apply_greedy(probs, logits, temperature)
 
 
@@ -139,22 +149,24 @@ def _dense_probs(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor)
     return _apply_top_p(torch.softmax(_apply_top_k(scaled, top_k), dim=-1), top_p)
 
 
-def _top_k_candidate_probs(scaled: torch.Tensor, k: int, top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """processed_probs of rows sharing one top_k = k, from their k largest logits only.
+def _top_k_candidate_probs(logits: torch.Tensor, temperature: torch.Tensor, k: int,
+                           top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """processed_probs of rows sharing one top_k = k, from their k largest scaled logits only.
 
-    scaled: # [n, V] temperature-scaled logits; top_p: # [n]. Returns probs # [n, V] and which
-    rows it holds (# [n] bool): False where a token beyond the k largest ties with the k-th
-    (the dense path keeps every tied token) or where fewer than k logits are finite.
+    logits: # [n, V] raw float32; temperature, top_p: # [n]. Returns the candidates' token ids and
+    probabilities (# [n, k] each; scatter them into zeros for the rows) and which rows they hold
+    (# [n] bool): False where a token beyond the k largest ties with the k-th (the dense path keeps
+    every tied token) or where fewer than k logits are finite.
     """
-    values, index = scaled.topk(k, dim=-1)  # [n, k], descending
-    untied = (scaled >= values[:, -1:]).sum(-1) == k  # [n]
+    values, index, at_least = scaled_top_k(logits, temperature, k)  # [n, k] descending, [n, k], [n]
+    untied = at_least == k  # [n]
     probs = torch.softmax(values, dim=-1)  # [n, k]
     nucleus = top_p < 1
     if bool(nucleus.any()):
         boundary, _ = _boundary_in_sorted(probs[nucleus], top_p[nucleus].double())
         sub = probs[nucleus] * ((probs[nucleus] >= boundary) & (probs[nucleus] > 0))
         probs[nucleus] = sub / sub.sum(-1, keepdim=True)
-    return torch.zeros_like(scaled).scatter_(1, index, probs), untied
+    return index, probs, untied
 
 
 def sample(probs: torch.Tensor, generators: Sequence[torch.Generator]) -> torch.Tensor:
@@ -168,24 +180,59 @@ def sample(probs: torch.Tensor, generators: Sequence[torch.Generator]) -> torch.
     u_n * (row total), so token v has probability weight_v / total up to float64 rounding, and a
     zero-weight token is never drawn. One uniform per row, where torch.multinomial draws one
     exponential per vocabulary entry (about 4 ms per row at V = 152k on this machine's CPU).
+
+    Two levels, so a row costs one pass of block sums and not a float64 cumulative sum over the
+    whole vocabulary: the cumulative block sums (blocks of _SAMPLE_BLOCK tokens) find the block,
+    the cumulative sum within it (started from the blocks before it) finds the token. A zero-weight
+    token adds nothing to the sum it follows, so it is never the first to exceed the threshold.
     """
     if len(generators) != probs.shape[0]:
         raise ValueError(f"sample: got {len(generators)} generators for {probs.shape[0]} rows; "
                          "pass one generator per row")
     if not generators:
         return torch.zeros(0, dtype=torch.int64, device=probs.device)
-    cdf = probs.double().cumsum(dim=-1)  # [N, V]
-    totals = cdf[:, -1]  # [N]
+    cumulative = _block_sums(probs).cumsum(-1)  # [N, blocks] float64
+    totals = cumulative[:, -1]  # [N]
     if not (torch.isfinite(totals).all() and (totals > 0).all() and probs.min() >= 0):
         raise ValueError("sample: every row needs finite, non-negative weights with a positive sum")
     u = torch.cat([torch.rand(1, generator=g, dtype=torch.float64, device=probs.device)
                    for g in generators])  # [N], in row order
-    tokens = torch.searchsorted(cdf, (u * totals)[:, None], right=True).squeeze(1)  # [N]
-    overflow = tokens >= probs.shape[1]  # u * total rounded up to the total: the last token with weight
-    if overflow.any():
-        last = probs.shape[1] - 1 - (probs.flip(-1) > 0).int().argmax(-1)  # [N]
-        tokens = torch.where(overflow, last, tokens)
+    threshold = (u * totals)[:, None]  # [N, 1]
+    block = torch.searchsorted(cumulative, threshold, right=True)  # [N, 1]: the first block past it
+    overflow = block[:, 0] >= cumulative.shape[1]  # u * total rounded up to the total
+    block = block.clamp_(max=cumulative.shape[1] - 1)
+    before = torch.where(block > 0, cumulative.gather(1, (block - 1).clamp_(min=0)), 0.0)  # [N, 1]
+    columns = block * _SAMPLE_BLOCK + torch.arange(_SAMPLE_BLOCK, device=probs.device)  # [N, BLOCK]
+    inside = columns < probs.shape[1]
+    weights = torch.where(inside, probs.gather(1, columns.clamp(max=probs.shape[1] - 1)), 0).double()
+    offset = torch.searchsorted(before + weights.cumsum(-1), threshold, right=True)[:, 0]  # [N]
+    # Past the block's end only where its own sum rounded above what its entries add up to, or on
+    # overflow: then the last token with weight in the block, or in the row.
+    short = offset >= _SAMPLE_BLOCK
+    if bool(short.any()):
+        offset = torch.where(short, _last_positive(weights), offset)
+    tokens = columns[:, 0] + offset
+    if bool(overflow.any()):
+        tokens = torch.where(overflow, _last_positive(probs), tokens)
     return tokens
+
+
+_SAMPLE_BLOCK = 1024  # tokens per block of sample's first level
+
+
+def _block_sums(probs: torch.Tensor) -> torch.Tensor:
+    """Float64 sums of each row's consecutive blocks of _SAMPLE_BLOCK entries (# [N, ceil(V / BLOCK)])."""
+    n, v = probs.shape
+    whole = v - v % _SAMPLE_BLOCK
+    sums = probs[:, :whole].reshape(n, -1, _SAMPLE_BLOCK).sum(-1, dtype=torch.float64)
+    if whole < v:
+        sums = torch.cat([sums, probs[:, whole:].sum(-1, keepdim=True, dtype=torch.float64)], dim=1)
+    return sums
+
+
+def _last_positive(weights: torch.Tensor) -> torch.Tensor:
+    """Index of each row's last positive entry (# [N]); weights # [N, M]."""
+    return weights.shape[1] - 1 - (weights.flip(-1) > 0).int().argmax(-1)
 
 
 def categorical(weights: torch.Tensor, generator: torch.Generator) -> int:

@@ -74,9 +74,14 @@ def os_permits(feature: str | None) -> bool:
     return False
 
 
+def cpu_model() -> str:
+    """The CPU's model name as /proc/cpuinfo gives it ("unknown cpu" where it does not)."""
+    return next((line.split(":", 1)[1].strip() for line in _cpuinfo_lines() if line.startswith("model name")),
+                "unknown cpu")
+
+
 def fingerprint(flags: set[str]) -> str:
-    model = next((line.split(":", 1)[1].strip() for line in _cpuinfo_lines() if line.startswith("model name")), "")
-    return hashlib.sha256(f"{model}|{' '.join(sorted(flags))}|{platform.release()}".encode()).hexdigest()[:16]
+    return hashlib.sha256(f"{cpu_model()}|{' '.join(sorted(flags))}|{platform.release()}".encode()).hexdigest()[:16]
 
 
 def probe(variant: Variant, flags: set[str], root: Path | None = None, child: ChildCommand = default_child,

@@ -86,6 +86,19 @@ def check_layers(ops, gen: np.random.Generator) -> None:
     torch.testing.assert_close(out, reference, rtol=1e-4, atol=1e-5)
 
 
+def check_top_k(ops, gen: np.random.Generator) -> None:
+    from specav.topk import torch_scaled_top_k
+
+    x = torch.from_numpy(gen.standard_normal((3, 1000)).astype(np.float32))
+    x[1, 10:20] = x[1].max() + 1.0  # a tie across the boundary of k = 5
+    t = torch.tensor([0.7, 1.0, 0.0])
+    for k in (1, 5, 64):
+        values, _, at_least = ops.scaled_top_k(x, t, k)
+        ref_values, _, ref_at_least = torch_scaled_top_k(x, t, k)
+        if not (torch.equal(values, ref_values) and torch.equal(at_least, ref_at_least)):
+            raise AssertionError(f"scaled_top_k k = {k}: differs from torch.topk")
+
+
 def run(variant: Variant, root: Path | None) -> dict:
     try:
         library = build(variant, root)
@@ -96,7 +109,7 @@ def run(variant: Variant, root: Path | None) -> dict:
     ops = getattr(torch.ops, variant.namespace)
     gen = np.random.default_rng(0)
     try:
-        for check in (check_matmul, check_quantizer, check_layers):
+        for check in (check_matmul, check_quantizer, check_layers, check_top_k):
             check(ops, gen)
     except (AssertionError, RuntimeError) as err:
         return {"ok": False, "stage": "selftest", "reason": f"its self-test failed: {str(err).splitlines()[0]}"}
