@@ -368,6 +368,23 @@ def test_a_catch_up_is_made_only_when_drafting_is_predicted_to_repay_it():
     assert p.draft_plan([doubtful], [4], [shape]).num_slots == [0]
 
 
+def test_an_entry_is_judged_on_the_decoding_steps_it_pays_off_in_not_on_its_prefill():
+    """A new request decides to catch up in its prefill step, whose verify is its whole prompt. The
+    investment pays off in its decoding steps (one pending token each), so the drafting premium and
+    its block are priced there: priced on the 150-token prefill, the premium (30% of the prefill's
+    verify here) refused every entry (code at concurrency 1 on the AVX2 machine decoded target-only)."""
+    def enters(shape: RequestShape) -> int:
+        p = planner(4)
+        p.population_feature = 6.0  # confident traffic
+        p.cost.plain_observations = 1
+        p.cost.log_scale["verify"] = math.log(1.3)  # drafting steps verify 1.3x slower than plain ones
+        r = Request([1] * 150, SamplingParams(max_tokens=400), request_id="r")
+        return p.draft_plan([r], [4], [shape]).num_slots[0]
+
+    assert enters(RequestShape(150, 0, draft_pending=150)) == 4  # in its prefill step
+    assert enters(RequestShape(1, 150, draft_pending=150)) == 4  # after 150 skipped tokens: the same decision
+
+
 def test_each_request_is_credited_its_own_speed_up():
     """A step's time is split as each request's target-only share plus the extra time by the cost of
     its slots: a request that did not draft is credited 1x whatever the others did, and alone a

@@ -261,7 +261,7 @@ class AdaptivePlanner:
                 h.probing = h.wait == 0
                 continue
             elif shapes[i].draft_pending > _CAUGHT_UP and \
-                    not self._entry_pays(request, shapes[i], pending, rate, entry_row):
+                    not self._entry_pays(request, shapes[i], len(shapes), rate, entry_row):
                 h.wait = h.interval  # catching up would not pay: decode target-only, probe later
                 continue
             else:
@@ -291,7 +291,9 @@ class AdaptivePlanner:
         an investment, worth it when drafting is predicted to beat target-only decoding (`rate`
         tokens per second) by more over the request's remaining tokens than the catch-up costs.
         Predicted from the request's feature history at every slot, its block priced at `draft_row`
-        seconds per drafted row, after the batch's `pending` tokens."""
+        seconds per drafted row, after the `pending` tokens of the batch's decoding steps (one per
+        request: the steps the investment pays off in, not this one, which may be a prompt's prefill:
+        a block and a drafting premium priced on a 150-token prefill refused every entry on code)."""
         expected = self._predicted_blocks(self._history_features([request]), torch.ones(1, dtype=torch.float64))[0]
         block_seconds = self._block_seconds(pending, draft_row, [shape.slot_attended])[0] + \
             self.cost.drafting_premium(pending)  # as if nothing else drafted in its steps
@@ -330,8 +332,10 @@ class AdaptivePlanner:
         history = self._history_features([requests[i] for i in candidates])
         gains = self.block_gains(history, torch.ones(len(candidates), dtype=torch.float64), 0, price,
                                  verify_tokens, draft_row, slot_attended)
-        # nothing forced: the first candidate makes this a drafting step, whose verify costs more
-        premium = 0.0 if forced else self.cost.drafting_premium(verify_tokens, sum(s.context for s in shapes))
+        # nothing forced: the first candidate makes this a drafting step, whose verify costs more; the
+        # premium is measured on decoding steps (a prefill teaches neither verify scale), so it is
+        # priced on their tokens, one per request, not on a prompt being prefilled in this step
+        premium = 0.0 if forced else self.cost.drafting_premium(len(shapes), sum(s.context for s in shapes))
         chosen = self.choose(gains, [1] * len(candidates), len(forced), price, verify_tokens, slot_attended, premium)
         return {candidates[j] for j in chosen}
 
