@@ -78,8 +78,8 @@ Must not know: models, the rejection sampler, the engine, the server.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Sequence
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
 
 import torch
 
@@ -93,16 +93,48 @@ from specav.verification.cost_model import CostModel, _decay
 from specav.verification.planner import DraftPlan, RequestShape, register
 
 _HISTORY_DECAY = 0.7  # per step: how much of a request's feature evidence carries into the next step
+_HISTORY_SLOTS = 32  # a request's latest drafted slot features kept (older ones weigh < 0.7 ** 4 at K = 8)
+_POPULATION_SLOTS = 256  # the traffic's latest drafted slot features kept (the prior of new requests)
 _PRIOR_SLOTS = 2.0  # the population's features count as this many of the request's own slots
 _CAUGHT_UP = 2  # drafter pending tokens of a request that drafted last step (its final token, maybe x_K)
+
+
+@dataclass(slots=True)
+class FeatureSamples:
+    """Recent slot features, each with a weight that decays per step: what predicts the next slots.
+
+    The prediction averages the confidences (and survivals) of the samples, not the confidence of
+    their mean feature: confidence is not linear in the feature, and on the packaged pair the mean
+    feature's confidence overstated slot 1's acceptance by 4 (prose) to 10 (chat) points where the
+    mean confidence was within 2 (docs/adaptive.md, "Predicting a request's next slots")."""
+
+    features: list[float] = field(default_factory=list)
+    weights: list[float] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, features: Iterable[float], weight: float = 1.0) -> "FeatureSamples":
+        features = list(features)
+        return cls(features, [weight] * len(features))
+
+    def add(self, features: Iterable[float], decay: float, keep: int) -> None:
+        """A step passed (older weights times `decay`) and drafted `features`; keep the latest `keep`."""
+        new = list(features)
+        self.features = (self.features + new)[-keep:]
+        self.weights = ([w * decay for w in self.weights] + [1.0] * len(new))[-keep:]
+        if self.weights and max(self.weights) < 1e-100:  # long without a draft: keep the ratios, not underflow
+            top = max(self.weights)
+            self.weights = [w / top for w in self.weights]
+
+    @property
+    def total(self) -> float:
+        return sum(self.weights)
 
 
 @dataclass(slots=True)
 class _History:
     """What the planner remembers of one request between steps."""
 
-    feature_sum: float = 0.0  # decayed sum of the request's drafted slot features
-    feature_count: float = 0.0  # decayed count of them
+    samples: FeatureSamples = field(default_factory=FeatureSamples)  # its drafted slots' features
     wait: int = 0  # steps left before it may draft again
     interval: int = 1  # the wait after its next probe that does not pay
     probing: bool = False  # its next slot 1 is drafted whatever the rule says (after a wait)
@@ -181,7 +213,7 @@ class AdaptivePlanner:
         self.generator = torch.Generator().manual_seed(config.seed)  # exploration only
         self.rate_alpha = _decay(config.rate_halflife)
         self.history: dict[str, _History] = {}
-        self.population_feature = math.nan  # recent mean slot feature over all requests (new requests' prior)
+        self.population = FeatureSamples()  # recent drafted slot features of all requests (new requests' prior)
         self.probe_budget = 0.0  # seconds of compute probes may still spend (probe_share of measured steps)
         self._control = False  # this step is a control step (the whole batch target-only)
 
@@ -227,7 +259,7 @@ class AdaptivePlanner:
                    shapes: Sequence[RequestShape]) -> DraftPlan:
         b = len(requests)
         price = self.price(requests, shapes)
-        self._control = self.config.control_share > 0 and b > 0 and not math.isnan(self.population_feature) and (
+        self._control = self.config.control_share > 0 and b > 0 and bool(self.population.features) and (
             not self.cost.plain_observations  # the first step after the cold start, until one is measured
             or float(torch.rand(1, generator=self.generator, dtype=torch.float64)) < self.config.control_share)
         if self._control:  # the whole batch decodes target-only (see the module docstring)
@@ -248,7 +280,7 @@ class AdaptivePlanner:
             explore[i] = True  # its whole block is drafted and verified
         for i, (request, m) in enumerate(zip(requests, max_slots)):
             h = self._history(request)
-            if m == 0 or i in forced or math.isnan(self._predictor(h)):
+            if m == 0 or i in forced or not self._known(h):
                 continue
             if bool(explore[i]):
                 forced.append(i)
@@ -279,10 +311,10 @@ class AdaptivePlanner:
     def _cold_start(self, requests: Sequence[Request], max_slots: Sequence[int],
                     shapes: Sequence[RequestShape]) -> list[int]:
         """With nothing known yet, the one request that drafts: the cheapest catch-up (see the module docstring)."""
-        if not math.isnan(self.population_feature):
+        if self.population.features:
             return []
         unknown = [i for i, (r, m) in enumerate(zip(requests, max_slots))
-                   if m > 0 and math.isnan(self._predictor(self._history(r)))]
+                   if m > 0 and not self._known(self._history(r))]
         return [min(unknown, key=lambda i: (shapes[i].draft_pending, i))] if unknown else []
 
     def _entry_pays(self, request: Request, shape: RequestShape, pending: int, rate: float,
@@ -294,7 +326,7 @@ class AdaptivePlanner:
         seconds per drafted row, after the `pending` tokens of the batch's decoding steps (one per
         request: the steps the investment pays off in, not this one, which may be a prompt's prefill:
         a block and a drafting premium priced on a 150-token prefill refused every entry on code)."""
-        expected = self._predicted_blocks(self._history_features([request]), torch.ones(1, dtype=torch.float64))[0]
+        expected = self._predicted_blocks(*self._history_samples([request]), torch.ones(1, dtype=torch.float64))[0]
         block_seconds = self._block_seconds(pending, draft_row, [shape.slot_attended])[0] + \
             self.cost.drafting_premium(pending)  # as if nothing else drafted in its steps
         values = expected - rate * block_seconds
@@ -329,9 +361,9 @@ class AdaptivePlanner:
         verify_tokens = sum(s.pending for s in shapes) + len(forced)
         draft_row = self._draft_row(len(candidates) + len(forced))  # deeper slots' rows, if all of them draft
         slot_attended = [shapes[i].slot_attended for i in candidates]
-        history = self._history_features([requests[i] for i in candidates])
-        gains = self.block_gains(history, torch.ones(len(candidates), dtype=torch.float64), 0, price,
-                                 verify_tokens, draft_row, slot_attended)
+        samples, weights = self._history_samples([requests[i] for i in candidates])
+        gains = self.block_gains(samples, torch.ones(len(candidates), dtype=torch.float64), 0, price,
+                                 verify_tokens, draft_row, slot_attended, weights)
         # nothing forced: the first candidate makes this a drafting step, whose verify costs more; the
         # premium is measured on decoding steps (a prefill teaches neither verify scale), so it is
         # priced on their tokens, one per request, not on a prompt being prefilled in this step
@@ -340,28 +372,48 @@ class AdaptivePlanner:
         return {candidates[j] for j in chosen}
 
     def block_gains(self, features: torch.Tensor, prefix: torch.Tensor, start: int, price: float,
-                    verify_tokens: int, draft_row: float, slot_attended: Sequence[int]) -> list[float]:
+                    verify_tokens: int, draft_row: float, slot_attended: Sequence[int],
+                    weights: torch.Tensor | None = None) -> list[float]:
         """Per request, the value of its best block from 0-based slot `start` on, less what its slots
         beyond the first cost (the first slot's cost is the draft rule's to price, jointly with the
         other requests'): the first verified slot costs the most (measured costs are not convex), so
         a rule that valued the next slot alone would stop requests whose blocks pay. features # [A]:
-        each request's latest feature, standing in for its deeper slots'; prefix # [A]: its survival
-        up to slot `start` (exclusive)."""
-        expected = self._predicted_blocks(features, prefix, start)  # [A, K - start]
+        each request's latest feature, standing in for its deeper slots', or # [A, M] samples of it
+        with weights # [A, M] (see _predicted_blocks); prefix # [A]: its survival up to slot `start`
+        (exclusive)."""
+        expected = self._predicted_blocks(features, weights, prefix, start)  # [A, K - start]
         seconds = self._block_seconds(verify_tokens, draft_row, slot_attended)[:, :expected.shape[1]]
         return (expected - price * (seconds - seconds[:, :1])).max(dim=1).values.tolist()
 
-    def _history_features(self, requests: Sequence[Request]) -> torch.Tensor:
-        """Each request's predictor of its next slot 1 # [A] (its history, see _predictor)."""
-        return torch.tensor([self._predictor(self._history(r)) for r in requests], dtype=torch.float64)
+    def _history_samples(self, requests: Sequence[Request]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each request's samples of its next slot's feature and their weights # [A, M] each (zero
+        weights pad): its own recent slot features, and the population's, which together weigh
+        _PRIOR_SLOTS of its own slots, so one odd slot does not stop a request."""
+        rows = [self._predictor(self._history(r)) for r in requests]
+        m = max((len(f) for f, _ in rows), default=0)
+        features = torch.zeros(len(rows), max(m, 1), dtype=torch.float64)
+        weights = torch.zeros_like(features)
+        for a, (f, w) in enumerate(rows):
+            features[a, :len(f)] = torch.tensor(f, dtype=torch.float64)
+            weights[a, :len(w)] = torch.tensor(w, dtype=torch.float64)
+        return features, weights
 
-    def _predicted_blocks(self, features: torch.Tensor, prefix: torch.Tensor, start: int = 0) -> torch.Tensor:
+    def _predicted_blocks(self, features: torch.Tensor, weights: torch.Tensor | None, prefix: torch.Tensor,
+                          start: int = 0) -> torch.Tensor:
         """Expected accepted tokens of drafting slots start..start+n-1, n = 1..K-start, per request
-        # [A, K - start], every deeper slot predicted from the request's feature # [A] (nothing of
-        this step's drafts past it), after a prefix of survival # [A]."""
-        expanded = features[:, None].expand(features.shape[0], self.num_slots)  # [A, K]
+        # [A, K - start], after a prefix of survival # [A]. Every deeper slot is predicted from the
+        request's feature (nothing of this step's drafts past it): features # [A], or samples of it
+        # [A, M] with weights # [A, M], whose survivals are averaged (a confidence is not linear in
+        the feature: the mean feature's would overstate it)."""
+        if features.ndim == 1:
+            features, weights = features[:, None], torch.ones(features.shape[0], 1, dtype=torch.float64)
+        a, m = features.shape
+        expanded = features.reshape(a * m, 1).expand(a * m, self.num_slots)  # [A * M, K]
         confidences = torch.nan_to_num(self.scorer.score(expanded), nan=0.0)[:, start:]
-        return torch.cumsum(prefix[:, None] * survival(confidences), dim=1)
+        survivals = survival(confidences).reshape(a, m, self.num_slots - start)  # [A, M, K - start]
+        w = weights / weights.sum(1, keepdim=True).clamp(min=1e-300)  # [A, M]
+        mean = (w[:, :, None] * survivals).sum(1)  # [A, K - start]
+        return torch.cumsum(prefix[:, None] * mean, dim=1)
 
     def _block_seconds(self, verify_tokens: int, draft_row: float, slot_attended: Sequence[int]) -> torch.Tensor:
         """Seconds that drafting and verifying 1..K slots add to the step, per request # [A, K]
@@ -427,18 +479,14 @@ class AdaptivePlanner:
                 h.speedup += self.rate_alpha * (speedup - h.speedup)
         features = record.scores.features  # [B, K]
         drafted_features = features[~torch.isnan(features)]
-        if drafted_features.numel():
-            mean = float(drafted_features.mean())
-            self.population_feature = mean if math.isnan(self.population_feature) else \
-                self.rate_alpha * mean + (1 - self.rate_alpha) * self.population_feature
+        if drafted_features.numel() or self.population.features:
+            self.population.add(drafted_features.tolist(), 1 - self.rate_alpha, _POPULATION_SLOTS)
         for b, request in enumerate(record.requests):
             drafted = int(record.drafts.num_drafted[b])
             h = self._history(request)
             if drafted:
                 own = features[b, :drafted]
-                own = own[~torch.isnan(own)]
-                h.feature_sum = _HISTORY_DECAY * h.feature_sum + float(own.sum())
-                h.feature_count = _HISTORY_DECAY * h.feature_count + own.numel()
+                h.samples.add(own[~torch.isnan(own)].tolist(), _HISTORY_DECAY, _HISTORY_SLOTS)
             if h.probing and drafted:
                 h.probing = False
                 if drafted >= 2 or drafted >= record.max_slots[b]:
@@ -468,12 +516,18 @@ class AdaptivePlanner:
     def release(self, request: Request) -> None:
         self.history.pop(request.request_id, None)
 
-    def _predictor(self, h: _History) -> float:
-        """The feature that predicts a request's next slot 1: its recent slot features, shrunk toward
-        the population's (which count as _PRIOR_SLOTS slots), so one odd slot does not stop a request."""
-        if math.isnan(self.population_feature):
-            return h.feature_sum / h.feature_count if h.feature_count else math.nan
-        return (h.feature_sum + _PRIOR_SLOTS * self.population_feature) / (h.feature_count + _PRIOR_SLOTS)
+    def _predictor(self, h: _History) -> tuple[list[float], list[float]]:
+        """The features (and weights) that predict a request's next slots: its recent slot features
+        and the population's, the latter weighing _PRIOR_SLOTS of the request's own slots in all."""
+        population = self.population
+        if not population.features or population.total <= 0:
+            return h.samples.features, h.samples.weights
+        scale = _PRIOR_SLOTS / population.total
+        return h.samples.features + population.features, h.samples.weights + [w * scale for w in population.weights]
+
+    def _known(self, h: _History) -> bool:
+        """Whether anything predicts the request's next slots (nothing before the cold start drafted)."""
+        return bool(h.samples.features or self.population.features)
 
     def _history(self, request: Request) -> _History:
         h = self.history.get(request.request_id)
