@@ -92,8 +92,8 @@ from specav.types import DraftBatch, Plan, Scores, StepRecord, attended
 from specav.verification.cost_model import CostModel, _decay
 from specav.verification.planner import DraftPlan, RequestShape, register
 
-_HISTORY_DECAY = 0.7  # per step: how much of a request's feature evidence carries into the next step
-_HISTORY_SLOTS = 32  # a request's latest drafted slot features kept (older ones weigh < 0.7 ** 4 at K = 8)
+HISTORY_DECAY = 0.7  # per step: how much of a request's feature evidence carries into the next step
+HISTORY_SLOTS = 32  # a request's latest drafted slot features kept (older ones weigh < 0.7 ** 4 at K = 8)
 _POPULATION_SLOTS = 256  # the traffic's latest drafted slot features kept (the prior of new requests)
 _PRIOR_SLOTS = 2.0  # the population's features count as this many of the request's own slots
 _CAUGHT_UP = 2  # drafter pending tokens of a request that drafted last step (its final token, maybe x_K)
@@ -486,7 +486,7 @@ class AdaptivePlanner:
             h = self._history(request)
             if drafted:
                 own = features[b, :drafted]
-                h.samples.add(own[~torch.isnan(own)].tolist(), _HISTORY_DECAY, _HISTORY_SLOTS)
+                h.samples.add(own[~torch.isnan(own)].tolist(), HISTORY_DECAY, HISTORY_SLOTS)
             if h.probing and drafted:
                 h.probing = False
                 if drafted >= 2 or drafted >= record.max_slots[b]:
