@@ -16,7 +16,20 @@ from collections import Counter
 import pytest
 import torch
 
+from specav.models import native
+from specav.models.native.variants import VARIANTS
+
 torch.set_num_threads(1)
+
+
+@pytest.fixture(params=[v.name for v in VARIANTS])
+def native_ops(request):
+    """The op namespace of each native variant (torch.ops.specav_<variant>); the test id names the
+    variant, and one this machine cannot run is skipped with the reason."""
+    try:
+        return native.variant_ops(request.param)
+    except native.VariantUnavailable as err:
+        pytest.skip(str(err))
 
 _outcomes: dict[str, Counter] = {"e2e": Counter(), "unit": Counter()}
 _seconds: Counter = Counter()

@@ -11,18 +11,9 @@ import torch.nn.functional as F
 
 from specav.models import native
 from specav.models.layer_ops import NativeLayerOps, TorchLayerOps, layer_ops_for
-from specav.models.native.variants import VARIANTS
 from specav.models.packed import PackedCausalLM
 from tests.tiny_models import VOCAB, tiny_hf_model
 
-
-@pytest.fixture(params=[v.name for v in VARIANTS])
-def OPS(request):
-    """Each native variant's ops (torch.ops.specav_<variant>), skipped where this machine cannot run it."""
-    try:
-        return native.variant_ops(request.param)
-    except native.VariantUnavailable as err:
-        pytest.skip(str(err))
 
 
 def gen(seed: int) -> torch.Generator:
@@ -30,33 +21,33 @@ def gen(seed: int) -> torch.Generator:
 
 
 @pytest.mark.parametrize("rows,width", [(1, 1536), (3, 64), (2, 13)])  # 13: a tail past the 8-wide vectors
-def test_rms_norm_and_fused_residual(OPS, rows, width):
+def test_rms_norm_and_fused_residual(native_ops, rows, width):
     x = torch.randn(rows, width, generator=gen(0)) * 3
     y = torch.randn(rows, width, generator=gen(1))
     w = torch.randn(width, generator=gen(2))
     reference = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w  # transformers' formula
-    torch.testing.assert_close(OPS.rms_norm(x, w, 1e-6), reference, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(native_ops.rms_norm(x, w, 1e-6), reference, rtol=1e-6, atol=1e-6)
     h = x.clone()
-    normed = OPS.add_rms_norm_(h, y, w, 1e-6)
+    normed = native_ops.add_rms_norm_(h, y, w, 1e-6)
     assert torch.equal(h, x + y)  # the residual stream is updated in place, exactly
-    torch.testing.assert_close(normed, OPS.rms_norm(x + y, w, 1e-6), rtol=0, atol=0)
+    torch.testing.assert_close(normed, native_ops.rms_norm(x + y, w, 1e-6), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("shape", [(1, 8960), (3, 17)])
-def test_silu_mul(OPS, shape):
+def test_silu_mul(native_ops, shape):
     g = torch.randn(shape, generator=gen(0)) * 6  # reaches both flat ends of the sigmoid
     g[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -30.0])
     u = torch.randn(shape, generator=gen(1))
-    torch.testing.assert_close(OPS.silu_mul(g, u), F.silu(g) * u, rtol=2e-6, atol=1e-7)
+    torch.testing.assert_close(native_ops.silu_mul(g, u), F.silu(g) * u, rtol=2e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize("heads,dim", [(12, 128), (2, 16)])
-def test_rope_matches_rotate_half(OPS, heads, dim):
+def test_rope_matches_rotate_half(native_ops, heads, dim):
     x = torch.randn(5, heads, dim, generator=gen(0))
     cos, sin = torch.randn(5, dim, generator=gen(1)), torch.randn(5, dim, generator=gen(2))
     half = dim // 2
     reference = x * cos[:, None] + torch.cat((-x[..., half:], x[..., :half]), -1) * sin[:, None]
-    out = OPS.rope_(x, cos, sin)
+    out = native_ops.rope_(x, cos, sin)
     assert out.data_ptr() == x.data_ptr()  # in place
     torch.testing.assert_close(out, reference, rtol=1e-6, atol=1e-6)
 
@@ -79,13 +70,13 @@ def attention_reference(q, keys, values, lengths, scale, peek=0):
 
 
 @pytest.mark.parametrize("heads,kv_heads,dim", [(12, 2, 128), (4, 2, 16), (14, 2, 64), (4, 4, 8)])
-def test_attention_varlen_causal_grouped(OPS, heads, kv_heads, dim):
+def test_attention_varlen_causal_grouped(native_ops, heads, kv_heads, dim):
     lengths, cached = [3, 1, 5, 2], [0, 40, 7, 300]
     keys = [torch.randn(p + n, kv_heads, dim, generator=gen(i)) for i, (p, n) in enumerate(zip(cached, lengths))]
     values = [torch.randn(p + n, kv_heads, dim, generator=gen(10 + i)) for i, (p, n) in enumerate(zip(cached, lengths))]
     q = torch.randn(sum(lengths), heads, dim, generator=gen(20)) * 2
     scale = 1 / math.sqrt(dim)
-    out = OPS.attention(q, keys, values, lengths, scale)
+    out = native_ops.attention(q, keys, values, lengths, scale)
     expected = attention_reference(q, keys, values, lengths, scale)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
     # Negative control: seeing one position too many (the next query's key) is caught.
@@ -93,30 +84,30 @@ def test_attention_varlen_causal_grouped(OPS, heads, kv_heads, dim):
     assert not torch.allclose(out, peeking, rtol=1e-3, atol=1e-3)
 
 
-def test_attention_rows_do_not_depend_on_the_batch(OPS):
+def test_attention_rows_do_not_depend_on_the_batch(native_ops):
     """Bit for bit: a request's output is the same alone or with others (no padding, no shared softmax)."""
     lengths = [2, 3, 1]
     keys = [torch.randn(10 * (i + 1), 2, 32, generator=gen(i)) for i in range(3)]
     values = [torch.randn(10 * (i + 1), 2, 32, generator=gen(5 + i)) for i in range(3)]
     q = torch.randn(6, 4, 32, generator=gen(9))
-    together = OPS.attention(q, keys, values, lengths, 0.2)
+    together = native_ops.attention(q, keys, values, lengths, 0.2)
     starts = [0, 2, 5]
     for b, (s, n) in enumerate(zip(starts, lengths)):
-        alone = OPS.attention(q[s:s + n].contiguous(), [keys[b]], [values[b]], [n], 0.2)
+        alone = native_ops.attention(q[s:s + n].contiguous(), [keys[b]], [values[b]], [n], 0.2)
         assert torch.equal(alone, together[s:s + n])
 
 
-def test_bad_inputs_are_refused(OPS):
+def test_bad_inputs_are_refused(native_ops):
     q = torch.randn(2, 4, 16)
     k = torch.randn(3, 2, 16)
     with pytest.raises(RuntimeError, match="sum to q's rows"):
-        OPS.attention(q, [k], [k], [1], 1.0)
+        native_ops.attention(q, [k], [k], [1], 1.0)
     with pytest.raises(RuntimeError, match="cached positions"):
-        OPS.attention(q, [k], [k], [4], 1.0)
+        native_ops.attention(q, [k], [k], [4], 1.0)
     with pytest.raises(RuntimeError, match="multiple of 8"):
-        OPS.attention(torch.randn(1, 4, 12), [torch.randn(1, 2, 12)], [torch.randn(1, 2, 12)], [1], 1.0)
+        native_ops.attention(torch.randn(1, 4, 12), [torch.randn(1, 2, 12)], [torch.randn(1, 2, 12)], [1], 1.0)
     with pytest.raises(RuntimeError, match="contiguous"):
-        OPS.rms_norm(torch.randn(4, 3).t(), torch.randn(4), 1e-6)
+        native_ops.rms_norm(torch.randn(4, 3).t(), torch.randn(4), 1e-6)
 
 
 def test_native_ops_are_chosen_only_where_they_apply(monkeypatch):
@@ -131,11 +122,11 @@ def test_native_ops_are_chosen_only_where_they_apply(monkeypatch):
 
 
 @pytest.mark.parametrize("family", ["qwen2", "llama"])
-def test_packed_forward_with_native_ops_equals_torch_ops(OPS, family):
+def test_packed_forward_with_native_ops_equals_torch_ops(native_ops, family):
     """The same tiny model, the same packed rounds (prefills, varlen verification, rollbacks), run
     with either ops: logits agree to float32 rounding."""
     runs = {}
-    for ops in (NativeLayerOps(OPS), TorchLayerOps()):
+    for ops in (NativeLayerOps(native_ops), TorchLayerOps()):
         model = PackedCausalLM(tiny_hf_model(family, seed=3))
         model.ops = ops
         caches = [model.new_cache(capacity=4) for _ in range(3)]

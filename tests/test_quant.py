@@ -24,7 +24,6 @@ import torch
 from torch import nn
 
 from specav.models import CheckpointError, load_checkpoint, native
-from specav.models.native.variants import VARIANTS
 from specav.models.quant import FusedLinear, QuantizedEmbedding, QuantizedLinear, load_quantized
 from specav.models.quant_choice import DRAFTER_NATIVE_ROWS, FixedRule, KernelPlan, MeasuredChoice, machine_key, plan_from_times
 from specav.models.quant_formats import GGUFWeight, dequantize, int4_groups, requantize_q4_k
@@ -142,14 +141,6 @@ def test_native_kernels_build_on_this_machine():
     assert "kquant" in [k for k, _ in KERNEL_CASES]
 
 
-@pytest.fixture(params=[v.name for v in VARIANTS])
-def variant(request):
-    """The op namespace of each native variant this machine runs (skipped, with the reason, where not)."""
-    try:
-        return native.variant_ops(request.param)
-    except native.VariantUnavailable as err:
-        pytest.skip(str(err))
-
 
 def int8_reconstruction(ops, x: torch.Tensor, k: int) -> torch.Tensor:
     """x # [T, K] as the kernel sees it: its int8 codes times their per-256 scales, float64, # [T, K]."""
@@ -161,7 +152,7 @@ def int8_reconstruction(ops, x: torch.Tensor, k: int) -> torch.Tensor:
 @pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K])
 @pytest.mark.parametrize("rows,k", [(1, 768), (4, 768), (5, 768), (7, 768), (8, 768), (9, 768), (16, 768),
                                     (17, 768), (5, 4608), (16, 4608)])
-def test_kquant_arithmetic_is_exact_on_quantised_activations(variant, qtype, rows, k):
+def test_kquant_arithmetic_is_exact_on_quantised_activations(native_ops, qtype, rows, k):
     """The kernel's only approximation is the int8 activation: with x replaced by its int8
     reconstruction, y equals the float64 product with the exactly dequantised weight (to float32
     accumulation). A wrong nibble, bit pair or scale index would be off by percents. Row counts
@@ -170,21 +161,21 @@ def test_kquant_arithmetic_is_exact_on_quantised_activations(variant, qtype, row
     weight = random_weight(qtype, n=40, k=k, seed=rows)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)) * 3
     x[0, :256] *= 50  # one 256-block far larger: each block has its own activation scale
-    expected = int8_reconstruction(variant, x, k) @ dequantize(weight).double().t()
-    y = KQuantWeight.pack(weight, ops=variant).matmul(x)
+    expected = int8_reconstruction(native_ops, x, k) @ dequantize(weight).double().t()
+    y = KQuantWeight.pack(weight, ops=native_ops).matmul(x)
     error = ((y.double() - expected).norm() / expected.norm()).item()
     assert error < 1e-5, error
-    xq, _ = variant.quantize_activations(x)
+    xq, _ = native_ops.quantize_activations(x)
     assert (xq.abs() <= 127).all() and torch.equal(xq.abs().amax(dim=1), torch.full((rows,), 127, dtype=torch.int8))
 
 
 @pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K])
 @pytest.mark.parametrize("k", [512, 4608])
-def test_kquant_rows_are_batch_invariant(variant, qtype, k):
+def test_kquant_rows_are_batch_invariant(native_ops, qtype, k):
     """Bit for bit: a row's output is the same alone or packed with any number of others, in every
-    variant, with K in one pass or in segments (so the verified rows of a speculative step round as
+    native_ops, with K in one pass or in segments (so the verified rows of a speculative step round as
     the decoded row would)."""
-    packed = KQuantWeight.pack(random_weight(qtype, n=72, k=k), ops=variant)
+    packed = KQuantWeight.pack(random_weight(qtype, n=72, k=k), ops=native_ops)
     x = torch.randn(19, k, generator=torch.Generator().manual_seed(0))
     x[3] *= 100
     alone = torch.cat([packed.matmul(x[i:i + 1]) for i in range(19)])
@@ -192,10 +183,10 @@ def test_kquant_rows_are_batch_invariant(variant, qtype, k):
         assert torch.equal(packed.matmul(x[:rows]), alone[:rows]), rows
 
 
-def test_kquant_fused_call_equals_separate_calls(variant):
+def test_kquant_fused_call_equals_separate_calls(native_ops):
     """q/k/v of mixed types (the packaged target's v is Q4_K in some layers, Q6_K in others) in one
     call: each output, with its bias, bit for bit as in its own call."""
-    weights = [KQuantWeight.pack(random_weight(q, n=n, k=512, seed=i), ops=variant)
+    weights = [KQuantWeight.pack(random_weight(q, n=n, k=512, seed=i), ops=native_ops)
                for i, (q, n) in enumerate([(T.Q4_K, 64), (T.Q4_K, 32), (T.Q6_K, 32)])]
     biases = [torch.randn(w.shape[0], generator=torch.Generator().manual_seed(i)) for i, w in enumerate(weights)]
     biases[1] = None
@@ -205,25 +196,25 @@ def test_kquant_fused_call_equals_separate_calls(variant):
         assert torch.equal(y, w.matmul(x, b))
 
 
-def test_kquant_runs_weights_padded_past_k(variant):
+def test_kquant_runs_weights_padded_past_k(native_ops):
     """A weight requantised from a 32-element format with K = 896 (the drafter's hidden size) keeps
     K = 896 and stores 4 Q4_K blocks per row, the last half zeros: the kernel takes x # [T, 896]."""
     weight = random_weight(T.Q8_0, n=48, k=896)
-    q4k = requantize_q4_k(weight, variant.quantize_q4_k)
+    q4k = requantize_q4_k(weight, native_ops.quantize_q4_k)
     assert q4k.qtype == T.Q4_K and q4k.shape == (48, 896) and q4k.blocks.shape == (48, 4 * 144)
     x = torch.randn(3, 896, generator=torch.Generator().manual_seed(0))
-    expected = int8_reconstruction(variant, x, 896) @ dequantize(q4k).double().t()
-    y = KQuantWeight.pack(q4k, ops=variant).matmul(x)
+    expected = int8_reconstruction(native_ops, x, 896) @ dequantize(q4k).double().t()
+    y = KQuantWeight.pack(q4k, ops=native_ops).matmul(x)
     assert ((y.double() - expected).norm() / expected.norm()).item() < 1e-5
     requant_error = ((dequantize(q4k) - dequantize(weight)).norm() / dequantize(weight).norm()).item()
     assert requant_error < 0.1  # 4 bits from 8: about 0.08 on Gaussian weights
 
 
-def test_q4_k_quantiser_beats_min_max_rounding(variant):
+def test_q4_k_quantiser_beats_min_max_rounding(native_ops):
     """The native quantiser (llama.cpp's least-squares search) through gguf's own dequantiser: a
     wrong layout would give errors of order 1; the search must beat plain min/max rounding."""
     x = np.random.default_rng(3).standard_normal((16, 1024)).astype(np.float32)
-    blocks = variant.quantize_q4_k(torch.from_numpy(x)).numpy()
+    blocks = native_ops.quantize_q4_k(torch.from_numpy(x)).numpy()
     ours = np.linalg.norm(gguf.quants.dequantize(blocks, T.Q4_K) - x) / np.linalg.norm(x)
     plain = np.linalg.norm(gguf.quants.dequantize(quantize_q4_k(x), T.Q4_K) - x) / np.linalg.norm(x)
     assert ours < 0.1 and ours < 0.95 * plain, (ours, plain)  # measured 0.070 against 0.077

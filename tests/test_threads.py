@@ -88,3 +88,23 @@ def test_the_numbers_do_not_depend_on_the_thread_count(tmp_path):
     finally:
         torch.set_num_threads(saved)
     assert torch.equal(logits[1], logits[2])
+
+
+def test_a_prefill_is_not_judged_by_the_small_verifies_beside_it():
+    """A 200-token prefill and a 12-token verify fell in one group (9+ rows): the verify's 1-thread time
+    (0.36 s) beat the prefill's 2-thread time (2.5 s), and prefills ran on 1 thread at 1.8x. Groups on
+    a doubling scale keep them apart."""
+    policy = ThreadChoice(explore_every=1000)
+    prefill = lambda n, call: {2: 2.5, 1: 4.5}[n]  # noqa: E731
+    drive(policy, prefill, 2, rows=200)
+    drive(policy, lambda n, call: {2: 0.30, 1: 0.36}[n], 2, rows=12)
+    assert drive(policy, prefill, 6, rows=200) == [1, 1, 2, 2, 2, 2]  # its own trial of 1 thread, then 2
+
+
+def test_forwards_of_one_group_are_compared_per_row():
+    """Within a group sizes differ up to 2x: 2 threads measured on 16-row forwards (0.10 s a row) and
+    1 thread on 9-row ones (0.13 s a row) compare by time per row, not by time (1.6 s against 1.2 s)."""
+    policy = ThreadChoice(explore_every=1000)
+    drive(policy, lambda n, call: {2: 1.6, 1: 2.9}[n], 2, rows=16)
+    drive(policy, lambda n, call: {2: 0.9, 1: 1.2}[n], 2, rows=9)
+    assert policy.choose(12, 2) == 2

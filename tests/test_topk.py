@@ -9,16 +9,8 @@ from hypothesis import given, settings, strategies as st
 
 from specav import topk
 from specav.models import native
-from specav.models.native.variants import VARIANTS
 from specav.topk import scaled_top_k, torch_scaled_top_k
 
-
-@pytest.fixture(params=[v.name for v in VARIANTS])
-def OPS(request):
-    try:
-        return native.variant_ops(request.param)
-    except native.VariantUnavailable as err:
-        pytest.skip(str(err))
 
 
 def same_as_torch(ops, x: torch.Tensor, t: torch.Tensor, k: int) -> None:
@@ -32,34 +24,34 @@ def same_as_torch(ops, x: torch.Tensor, t: torch.Tensor, k: int) -> None:
 
 
 @pytest.mark.parametrize("k", [1, 2, 20, 1024])
-def test_native_top_k_equals_torch_on_vocabulary_rows(OPS, k):
+def test_native_top_k_equals_torch_on_vocabulary_rows(native_ops, k):
     g = torch.Generator().manual_seed(k)
     x = torch.randn(5, 151_936, generator=g) * 3
-    same_as_torch(OPS, x, torch.tensor([0.7, 1.0, 0.0, 1.3, 0.05]), k)
+    same_as_torch(native_ops, x, torch.tensor([0.7, 1.0, 0.0, 1.3, 0.05]), k)
 
 
-def test_native_top_k_counts_ties_beyond_the_kth(OPS):
+def test_native_top_k_counts_ties_beyond_the_kth(native_ops):
     x = torch.zeros(3, 100)
     x[0, :5] = 2.0  # five tie for the top: k = 3 reaches 5
     x[1, 7] = 3.0
     x[1, 40:43] = 1.0  # the 2nd..4th tie: k = 2 reaches 4
     x[2, :] = 1.0  # all tie
-    values, index, at_least = OPS.scaled_top_k(x, torch.ones(3), 3)
+    values, index, at_least = native_ops.scaled_top_k(x, torch.ones(3), 3)
     assert at_least.tolist() == [5, 4, 100]
     assert index[1, 0] == 7 and values[1].tolist() == [3.0, 1.0, 1.0]
-    same_as_torch(OPS, x, torch.ones(3), 3)
+    same_as_torch(native_ops, x, torch.ones(3), 3)
 
 
-def test_native_top_k_handles_minus_inf_and_short_rows(OPS):
+def test_native_top_k_handles_minus_inf_and_short_rows(native_ops):
     x = torch.full((2, 13), -float("inf"))  # 13: not a multiple of the 8-wide vector
     x[0, 12] = 1.0  # the last entry, in the scalar tail
     x[1, 3] = 0.5
     x[1, 11] = 0.25
-    values, index, at_least = OPS.scaled_top_k(x, torch.ones(2), 2)
+    values, index, at_least = native_ops.scaled_top_k(x, torch.ones(2), 2)
     assert values[0].tolist() == [1.0, -float("inf")] and index[0, 0] == 12
     assert at_least[0] == 13  # every -inf entry reaches the 2nd value: the caller keeps the dense path
     assert values[1].tolist() == [0.5, 0.25] and index[1].tolist() == [3, 11] and at_least[1] == 2
-    same_as_torch(OPS, x, torch.ones(2), 13)
+    same_as_torch(native_ops, x, torch.ones(2), 13)
 
 
 @settings(max_examples=40, deadline=None)

@@ -18,7 +18,10 @@ top-k 20, top-p 0.8, request i seeded with i, through:
 
 Every row is measured in this one process, the methods taking turns per cell (target-only, AV,
 then the static Ks; the order reversed every other turn, so target-only and AV, the comparison
-every goal rests on, always run next to each other), after one warm-up request per method; with
+every goal rests on, always run next to each other), after one warm-up request per method and
+after both models' thread policies (models/threads.py) have made their trial forwards at every
+row count the cells will run, prefills included (the models are shared by all the methods, so
+trials left for the cells would slow whichever method first runs each size); with
 `--rounds N` each cell takes N turns and its figures are over all of them (speeds here drift
 10-20% within minutes: two rounds in opposite orders cancel a steady drift). Printed per cell:
 tokens/s, the ratio to target-only, to the best static K and to the oracle, tokens per step,
@@ -43,6 +46,8 @@ from specav.engine.profile import PROFILE_FILE, load_or_profile, profile_key
 from specav.evaluation.workloads import load_workload
 from specav.models import check_same_vocabulary, load_checkpoint, packaged
 from specav.models.native.probe import cpu_model
+from specav.models.packed import PackedCausalLM
+from specav.models.threads import ThreadChoice
 from specav.types import StepRecord
 from specav.verification.cost_model import CostModel, CostProfile
 
@@ -142,6 +147,23 @@ def run(target, drafter, method: str, k: int, adaptive: bool, prompts: list[list
     result.drafted, result.admitted, result.skipped = stats.drafted, stats.admitted, stats.skipped
     result.planning_seconds = counter[0]
     return result
+
+
+def warm_thread_policy(model: PackedCausalLM, max_rows: int) -> None:
+    """Run the model's thread policy through its trial forwards in every row-count group up to
+    max_rows (one forward size per group: 1, 2, 4, ...), so that no measured cell pays for them."""
+    if model.threads is None:
+        return
+    gen = torch.Generator().manual_seed(0)
+    rows = 1
+    while True:
+        n = min(rows, max_rows)
+        for _ in range(ThreadChoice.warmup_forwards(torch.get_num_threads())):
+            tokens = torch.randint(0, model.vocab_size, (n,), generator=gen).tolist()
+            model.forward([tokens], [model.new_cache(n)], [1])
+        if rows >= max_rows:
+            return
+        rows *= 2
 
 
 def _replay_step(record: StepRecord) -> _Step:
@@ -267,12 +289,16 @@ def main() -> None:
           f"{args.max_tokens} tokens per cell (EOS ignored), temperature 0.7, top-k 20, top-p 0.8")
     for name, k, adaptive in methods:  # warm-up: first-call allocations, kernel plans
         run(target, drafter, name, k, adaptive, [encode_prompt(target.tokenizer, "Hi")], 8, 1, profile)
+    workloads = {w: [encode_prompt(target.tokenizer, messages=p.chat()) for p in load_workload(w)[: args.requests]]
+                 for w in args.workloads.split(",")}
+    longest = max(len(p) for prompts in workloads.values() for p in prompts)
+    for model in (target.model, drafter.model):  # a prefill of C prompts at once, at the most
+        warm_thread_policy(model, max(concurrencies) * longest + max(concurrencies) * (args.av_k + 1))
     print(f"{'work':<6} {'conc':>4}  {'method':<12} {'tok/s':>8} {'vs T-o':>8} {'vs best':>8} {'vs orac':>8} "
           f"{'tok/step':>8} {'drft/st':>8} {'verf/st':>8} {'skipped':>7}")
     results: dict[tuple[str, int], dict[str, Run]] = {}
     turn = 0
-    for workload in args.workloads.split(","):
-        prompts = [encode_prompt(target.tokenizer, messages=p.chat()) for p in load_workload(workload)[: args.requests]]
+    for workload, prompts in workloads.items():
         for concurrency in concurrencies:
             cell: dict[str, Run] = {}
             for _ in range(args.rounds):

@@ -37,8 +37,8 @@ VERIFY_TOKENS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 64)  # past 64 the
 DRAFT_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 SHORT_CONTEXT, LONG_CONTEXT = 64, 576
 CATCH_UP = 128  # tokens of one request in one drafter forward: a catch-up (a new prompt, skipped tokens)
-PROFILE_VERSION = 4  # bumped when what is measured, or how, changes (2: thread policy warmed first; 3: catch-up;
-#                     4: attention priced per attended position)
+PROFILE_VERSION = 5  # bumped when what is measured, or how, changes (2: thread policy warmed first; 3: catch-up;
+#                     4: attention priced per attended position; 5: the thread policy's doubling groups)
 ATTENTION_TOKENS = 16  # the verify that measures attention's per-position cost (or the largest measured)
 REPEATS = 3
 _PARAMS = SamplingParams(temperature=0.7, top_k=20, top_p=0.8, max_tokens=1 << 20)  # the usual sampling
@@ -105,9 +105,9 @@ def measure_profile(verifier: TargetVerifier, drafter: Drafter | None, max_verif
               file=sys.stderr, flush=True)
     started = time.perf_counter()
     warmup = ThreadChoice.warmup_forwards(torch.get_num_threads())  # a model's thread policy tries each
-    for t in sorted({1, min(5, verify_sizes[-1]), verify_sizes[-1]}):  # count first, per row-count group
+    for t in _one_per_group(verify_sizes):  # count first, per row-count group
         _time_verify(verifier, t, SHORT_CONTEXT, vocab, gen, warmup)
-    for a in sorted({1, min(5, draft_sizes[-1]), draft_sizes[-1]}) if draft_sizes else ():
+    for a in _one_per_group(draft_sizes):
         _time_draft(drafter, a, SHORT_CONTEXT, vocab, gen, warmup)
     if draft_sizes:
         _time_catch_up(drafter, CATCH_UP, SHORT_CONTEXT, vocab, gen, warmup)
@@ -122,6 +122,14 @@ def measure_profile(verifier: TargetVerifier, drafter: Drafter | None, max_verif
     if progress:
         print(f"specav: profiled in {time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
     return CostProfile(verify_curve, draft_curve, key)
+
+
+def _one_per_group(sizes: list[int]) -> list[int]:
+    """The first of `sizes` in each of the thread policy's row-count groups (what warms each group)."""
+    firsts: dict[int, int] = {}
+    for n in sorted(sizes):
+        firsts.setdefault(ThreadChoice.group_of(n), n)
+    return list(firsts.values())
 
 
 def _one_request(tokens: int, context: int) -> int:

@@ -8,13 +8,18 @@ core waits at the end of each of its ~150 parallel regions for a thread that ano
 descheduled: measured on 2 cores with one busy process pinned to one of them, the one-row forward
 of the packaged target took 5.3x its quiet time with 2 threads and 1.4x with 1 thread
 (docs/quantized.md). Which count wins depends on the load, which changes while a server runs, so
-it is measured, not guessed: forwards are grouped by row count (1, 2-8, 9+ rows, which differ in
-how well they split), each group runs the count with the lowest recent mean time (an exponential
-average over its forwards), and every `explore_every`-th forward of a group runs another count,
+it is measured, not guessed: forwards are grouped by row count on a doubling scale (1, 2, 3-4,
+5-8, ..., which differ in how well they split), each group runs the count with the lowest recent
+mean time per row (an exponential average over its forwards), and every `explore_every`-th
+forward of a group runs another count,
 so a count that became faster (the other process stopped) is found again: an exploring
 forward's time replaces that count's stale mean. The first forwards of a group try each count
 twice, and the second time starts its mean (a first forward at a new row count runs cold: taken
-as the mean, it kept 16-row forwards on one thread at 1.7x the two-thread time).
+as the mean, it kept 16-row forwards on one thread at 1.7x the two-thread time). Doubling groups,
+compared per row, so that a group's counts are measured on forwards of like size: with one group
+for 9+ rows, a speculative step's 12-token verify and a 200-token prefill were compared as if
+alike, and prefills ran on the count the verifies had made look fast (1.5-2x their time on the
+AVX2 machine of docs/adaptive.md).
 
 The numbers do not depend on the thread count: every native kernel computes each output on one
 thread (quant_kernels.py, layer_ops.py), so this changes speed only. It is used for models on the
@@ -32,13 +37,12 @@ from typing import Iterator
 
 import torch
 
-_GROUPS = (1, 8)  # row counts up to 1, up to 8, more: three groups
 _WARMUP = 2  # forwards each count runs first; the last of them starts its mean (the first runs cold)
 
 
 @dataclass(slots=True)
 class _Group:
-    mean_s: dict[int, float] = field(default_factory=dict)  # thread count -> recent mean seconds per forward
+    mean_s: dict[int, float] = field(default_factory=dict)  # thread count -> recent mean seconds per row
     samples: dict[int, int] = field(default_factory=dict)  # thread count -> forwards recorded with it
     calls: int = 0
     exploring: int | None = None  # the count an exploring forward runs, until it is recorded
@@ -54,7 +58,15 @@ class ThreadChoice:
             raise ValueError(f"decay must be in (0, 1), got {decay}")
         self.explore_every = explore_every
         self.decay = decay  # weight of the old mean in each update
-        self._groups = [_Group() for _ in range(len(_GROUPS) + 1)]
+        self._groups: dict[int, _Group] = {}  # ceil(log2(rows)) -> its group
+
+    @staticmethod
+    def group_of(rows: int) -> int:
+        """The row-count group of a forward: 1 row 0, 2 rows 1, 3-4 rows 2, 5-8 rows 3, ..."""
+        return max(rows - 1, 0).bit_length()
+
+    def _group(self, rows: int) -> _Group:
+        return self._groups.setdefault(self.group_of(rows), _Group())
 
     @staticmethod
     def candidates(available: int) -> tuple[int, ...]:
@@ -68,7 +80,7 @@ class ThreadChoice:
 
     def choose(self, rows: int, available: int) -> int:
         """The thread count the next forward of `rows` rows runs with, of at most `available`."""
-        group = self._groups[sum(rows > g for g in _GROUPS)]
+        group = self._group(rows)
         candidates = self.candidates(available)
         untried = [n for n in candidates if group.samples.get(n, 0) < _WARMUP]
         if untried:
@@ -80,7 +92,8 @@ class ThreadChoice:
         return ranked[0]
 
     def record(self, rows: int, threads: int, seconds: float) -> None:
-        group = self._groups[sum(rows > g for g in _GROUPS)]
+        group = self._group(rows)
+        seconds /= max(rows, 1)  # per row: forwards of one group differ in size up to 2x
         group.calls += 1
         group.samples[threads] = group.samples.get(threads, 0) + 1
         old = group.mean_s.get(threads)

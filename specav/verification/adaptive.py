@@ -21,7 +21,8 @@ Rules (survival s_i = product of a request's confidences 1..i, architecture.md):
   slot j expects gain g = the value of its best block from slot j on: sum over i = j..n of
   s_{j-1} * c_j * ... * c_i, less the price of its slots past j, maximised over n, where the
   confidences are the estimator's at each position for the request's latest feature (slot
-  j-1's, or for j = 1 its history from earlier steps: the no-draft decision). A block, not slot
+  j-1's, or for j = 1 its recent slot features and the population's, their survivals averaged:
+  the no-draft decision, FeatureSamples). A block, not slot
   j alone, because the first verified slot costs more than the next ones and a drafted slot
   opens the deeper ones: valued alone, slots that pay as a block would stop (deeper slots are
   priced at a row's share of a forward). Sorted by net gain (g less the price of its slot's own
@@ -389,7 +390,7 @@ class AdaptivePlanner:
         """Each request's samples of its next slot's feature and their weights # [A, M] each (zero
         weights pad): its own recent slot features, and the population's, which together weigh
         _PRIOR_SLOTS of its own slots, so one odd slot does not stop a request."""
-        rows = [self._predictor(self._history(r)) for r in requests]
+        rows = [self._next_slot_samples(self._history(r)) for r in requests]
         m = max((len(f) for f, _ in rows), default=0)
         features = torch.zeros(len(rows), max(m, 1), dtype=torch.float64)
         weights = torch.zeros_like(features)
@@ -516,7 +517,7 @@ class AdaptivePlanner:
     def release(self, request: Request) -> None:
         self.history.pop(request.request_id, None)
 
-    def _predictor(self, h: _History) -> tuple[list[float], list[float]]:
+    def _next_slot_samples(self, h: _History) -> tuple[list[float], list[float]]:
         """The features (and weights) that predict a request's next slots: its recent slot features
         and the population's, the latter weighing _PRIOR_SLOTS of the request's own slots in all."""
         population = self.population
