@@ -1,9 +1,11 @@
-"""The k largest entries of each vocabulary row: what top-k sampling (verification/sampling.py)
-and the drafter's features (acceptance/features.py: the top two) need of a 152k-entry row.
+"""Passes over vocabulary rows: what top-k sampling (verification/sampling.py) and the drafter's
+features (acceptance/features.py) need of a 152k-entry row, once per drafted slot.
 
-Owns one function, `scaled_top_k`: the native one-pass kernel (specav/models/native/topk.cpp)
-where the native library is built, torch.topk otherwise; both compute the same values. It sits
-below sampling and acceptance so that neither imports the other.
+Owns two functions, each the native kernel (specav/models/native/topk.cpp) where the native
+library is built and torch's ops otherwise: `scaled_top_k`, the k largest entries (both paths the
+same values bit for bit), and `top_two_tail`, the top two with the sums of the softmax tail
+(the same to float32 rounding). It sits below sampling and acceptance so that neither imports the
+other.
 
 Must not know: models, requests, sampling parameters beyond temperature.
 """
@@ -43,6 +45,40 @@ def torch_scaled_top_k(logits: torch.Tensor, temperature: torch.Tensor, k: int
     scaled = logits / t[:, None]
     values, index = scaled.topk(k, dim=-1)
     return values, index, (scaled >= values[:, -1:]).sum(-1)
+
+
+def top_two_tail(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The two largest entries of each row and the sums of the softmax tail below the largest.
+
+    z:       # [N, V] float32 without NaN or +inf (temperature-scaled logits), V >= 2
+    returns: values # [N, 2] descending, their ids # [N, 2] int64 (the first maximum first), and with
+             m the largest value and d_j = max(z_j - m, -100) over every entry but the first maximum:
+             tail = sum_j exp(d_j) # [N] and moment = sum_j exp(d_j) d_j # [N], both float64
+
+    One pass for the top two and one for the sums where the native library is built (a fifth of
+    torch's six passes here); torch_top_two_tail otherwise, equal to float32 rounding.
+    """
+    if z.ndim != 2 or z.shape[-1] < 2:
+        raise ValueError(f"top_two_tail: z must be [N, V] with V >= 2, got {tuple(z.shape)}")
+    z = z.float().contiguous()
+    ops = _native_ops()
+    if ops is not None:
+        return ops.top_two_tail(z)
+    return torch_top_two_tail(z)
+
+
+def torch_top_two_tail(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """top_two_tail on torch's ops, for any leading shape and V (the second value is -inf where
+    V = 1), and rows with NaN or +inf (whose results mean nothing: callers replace them)."""
+    top = z.topk(min(2, z.shape[-1]), dim=-1)
+    values, indices = top.values, top.indices
+    if z.shape[-1] == 1:
+        values = torch.cat([values, torch.full_like(values, -torch.inf)], dim=-1)
+        indices = torch.cat([indices, indices], dim=-1)
+    d = (z - values[..., :1]).clamp_(min=-100.0)  # exp(-100) is far below what the clamp of logit(q_max) can see
+    e = d.exp()
+    e.scatter_(-1, indices[..., :1], 0.0)  # the first maximum out of the sums
+    return values, indices, e.sum(-1, dtype=torch.float64), torch.linalg.vecdot(e, d).double()
 
 
 def _native_ops():

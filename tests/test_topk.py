@@ -75,3 +75,64 @@ def test_scaled_top_k_refuses_k_outside_the_row_and_falls_back_without_native(mo
     values, _, at_least = scaled_top_k(x, torch.tensor([2.0, 0.0]), 3)
     assert torch.equal(values, torch_scaled_top_k(x, torch.tensor([2.0, 0.0]), 3)[0])
     assert at_least.tolist() == [3, 3]
+
+
+def tail_reference(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """tail and moment in float64 from first principles (the first maximum left out)."""
+    z64 = z.double()
+    m, first = z64.max(-1, keepdim=True)
+    d = (z64 - m).clamp(min=-100.0)
+    e = d.exp().scatter(-1, first, 0.0)
+    return e.sum(-1), (e * d).sum(-1)
+
+
+def same_tail(ops, z: torch.Tensor) -> None:
+    values, index, tail, moment = ops.top_two_tail(z)
+    assert torch.equal(values, torch_scaled_top_k(z, torch.ones(z.shape[0]), 2)[0])
+    assert torch.equal(z.gather(1, index), values) and bool((index[:, 0] != index[:, 1]).all())
+    assert torch.equal(index[:, 0], z.argmax(-1))  # the first maximum, the one left out of the tail
+    ref_tail, ref_moment = tail_reference(z)
+    # float32 against float64: z - m rounded to float32 moves exp(d) by up to |d| x 6e-8 <= 6e-6
+    # relative, plus what exp's underflow below d = -87.3 leaves out (at most V x 1.2e-38, far below
+    # what any feature can show).
+    torch.testing.assert_close(tail, ref_tail, rtol=1e-5, atol=1e-33)
+    torch.testing.assert_close(moment, ref_moment, rtol=1e-5, atol=1e-31)
+
+
+def test_native_top_two_tail_on_vocabulary_rows(native_ops):
+    g = torch.Generator().manual_seed(7)
+    z = torch.randn(6, 151_936, generator=g) * 3
+    z[1, 12345] = 40.0  # q_max within 1e-12 of 1: the tail is what logit(q_max) reads
+    z[2, 151_935] = 25.0  # the maximum in the last vector
+    z[3, :140_000] = -float("inf")  # a masked vocabulary
+    z[4, 3] = z[4, 9000] = 20.0  # a tie for the maximum: the second copy stays in the tail
+    z[5] *= 0.01  # nearly uniform
+    same_tail(native_ops, z)
+    values, index, tail, _ = native_ops.top_two_tail(z)
+    assert index[4].tolist() == [3, 9000] and values[4].tolist() == [20.0, 20.0] and tail[4] >= 1.0
+
+
+@settings(max_examples=60, deadline=None)
+@given(rows=st.integers(1, 3), v=st.integers(2, 70), data=st.data())
+def test_native_top_two_tail_on_any_shape(rows, v, data):
+    """Lengths around the 8-wide vectors and the 256-entry blocks, the maximum anywhere, ties."""
+    if not native.available():
+        pytest.skip(native.unavailable_reason())
+    g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31 - 1)))
+    scale = data.draw(st.sampled_from([0.1, 3.0, 30.0]))
+    z = torch.randn(rows, v * data.draw(st.sampled_from([1, 37])), generator=g) * scale
+    if data.draw(st.booleans()):
+        z = (z * 2).round() / 2  # ties
+    same_tail(native.ops(), z)
+
+
+def test_top_two_tail_falls_back_to_torch_without_native(monkeypatch):
+    z = torch.randn(3, 500, generator=torch.Generator().manual_seed(1)) * 4
+    monkeypatch.setattr(topk, "_native_ops", lambda: None)
+    values, _, tail, moment = topk.top_two_tail(z)
+    assert torch.equal(values, torch_scaled_top_k(z, torch.ones(3), 2)[0])
+    ref_tail, ref_moment = tail_reference(z)
+    torch.testing.assert_close(tail, ref_tail, rtol=1e-5, atol=0)
+    torch.testing.assert_close(moment, ref_moment, rtol=1e-5, atol=0)
+    with pytest.raises(ValueError, match="V >= 2"):
+        topk.top_two_tail(torch.zeros(2, 1))

@@ -29,7 +29,7 @@ from typing import Callable
 
 import torch
 
-from specav.topk import scaled_top_k
+from specav.topk import top_two_tail, torch_top_two_tail
 
 DEFAULT_CLAMP = 40.0  # EstimatorConfig.feature_clamp's default
 
@@ -169,17 +169,6 @@ class SlotFeatures:
     q_sampled: torch.Tensor  # lossy: evaluation only
 
 
-def _top_two(z: torch.Tensor, special: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The (up to) two largest logits of each row and their ids # [N, min(2, V)]: one native pass
-    (specav.topk) on float32 rows that hold no NaN, torch.topk otherwise."""
-    k = min(2, z.shape[-1])
-    if z.dtype == torch.float32 and z.ndim == 2 and not bool(special.any()):
-        values, indices, _ = scaled_top_k(z, torch.ones(z.shape[0]), k)
-        return values, indices
-    top = z.topk(k, dim=-1)
-    return top.values, top.indices
-
-
 def compute_slot_features(logits: torch.Tensor, probs: torch.Tensor, token_ids: torch.Tensor,
                           clamp: float = DEFAULT_CLAMP) -> SlotFeatures:
     """All features of N slots, in a few passes over the vocabulary (the drafter calls it per slot).
@@ -198,18 +187,17 @@ def compute_slot_features(logits: torch.Tensor, probs: torch.Tensor, token_ids: 
                          "must have the same shape [N, V]")
     z = _as_float(logits)
     special = ~torch.isfinite(z.amax(-1))  # [N]: a NaN, a +inf or no finite logit (amax propagates NaN)
-    values, indices = _top_two(z, special)
-    m = values[..., :1]  # [N, 1]
-    d = (z - m).clamp_(min=-100.0)  # exp(-100) is far below what the clamp of logit(q_max) can see
-    e = d.exp()
-    e.scatter_(-1, indices[..., :1], 0.0)  # the argmax entry out of S
-    rest = e.sum(-1)  # S  # [N]
+    if z.dtype == torch.float32 and z.ndim == 2 and z.shape[-1] > 1 and not bool(special.any()):
+        values, _, rest, moment = top_two_tail(z)  # the native passes where built
+    else:
+        values, _, rest, moment = torch_top_two_tail(z)
+    rest, moment = rest.to(z.dtype), moment.to(z.dtype)  # S, sum_j exp(z_j - m) (z_j - m)  # [N]
     total = 1.0 + rest
-    second = values[..., 1] - m[..., 0] if z.shape[-1] > 1 else torch.full_like(rest, -math.inf)
+    second = values[..., 1] - values[..., 0]
     features = SlotFeatures(
         logit_q_max=(-torch.log(rest)).clamp(-clamp, clamp),
         q_max=1.0 / total,
-        entropy=torch.log1p(rest) - torch.linalg.vecdot(e, d) / total,
+        entropy=torch.log1p(rest) - moment / total,
         top2_margin=(1.0 - second.exp()) / total,
         q_sampled=q_sampled(probs, token_ids),
     )

@@ -1,14 +1,15 @@
 """Benchmark: what an engine step spends outside the two models' forwards.
 
-    python -m specav.bench.step_overhead [--batches 1,8] [--k 4] [--tokens 48] [--threads 2] [--top-k both]
+    python -m specav.bench.step_overhead [--batches 1,8] [--k 4] [--tokens 48] [--threads 2] [--vocab-passes both]
 
 Runs the packaged pair (auto) with static K on chat prompts, temperature 0.7, top-k 20,
 top-p 0.8 (EOS ignored), timing every call of the target's and the drafter's packed forward.
 Printed per batch size, in milliseconds per step: the whole step, the two models' forwards, and
 what is left: the drafter's per-slot work (processed distributions, sampling, features), the
 verifier's distributions, and the rest (scoring, planning, rejection sampling, commit).
-`--top-k both` measures each batch twice in turns, with the native one-pass top-k (specav/topk.py)
-and with torch.topk in its place, so the two columns come from one run.
+`--vocab-passes both` measures each batch twice in turns, with the native passes over vocabulary
+rows (specav/topk.py: the top-k of sampling, the features' top two and softmax tail) and with
+torch's ops in their place, so the two columns come from one run.
 """
 
 from __future__ import annotations
@@ -85,17 +86,18 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--top-k", choices=("native", "torch", "both"), default="native",
-                        help="which top-k pass the sampling and the features use (both: measured in turns)")
+    parser.add_argument("--vocab-passes", choices=("native", "torch", "both"), default="native",
+                        help="the native passes over vocabulary rows (specav/topk.py) or torch's ops in their "
+                             "place (both: measured in turns)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     target = load_checkpoint("default", "auto", role="target")
     drafter = load_checkpoint("default", "auto", role="drafter")
-    kinds = {"native": ["native"], "torch": ["torch"], "both": ["native", "torch"]}[args.top_k]
+    kinds = {"native": ["native"], "torch": ["torch"], "both": ["native", "torch"]}[args.vocab_passes]
     columns = [(b, kind) for b in (int(b) for b in args.batches.split(",")) for kind in kinds]
     rows = {}
     for b, kind in columns:
-        with _top_k(kind):
+        with _vocab_passes(kind):
             rows[b, kind] = measure(target, drafter, b, args.k, args.tokens)
     print(f"ms per decoding step, static K={args.k}, {args.tokens} tokens per request, {torch.get_num_threads()} "
           f"threads, temperature 0.7 / top-k 20 / top-p 0.8, {cpu_model()}")
@@ -105,8 +107,8 @@ def main() -> None:
         print(f"{name:<32}" + "".join(f"{rows[c][name]:>16.2f}" for c in columns))
 
 
-def _top_k(kind: str):
-    """native: specav.topk as it is; torch: torch.topk in place of the native pass."""
+def _vocab_passes(kind: str):
+    """native: specav.topk as it is; torch: torch's ops in place of its native passes."""
     return mock.patch.object(topk, "_native_ops", lambda: None) if kind == "torch" else contextlib.nullcontext()
 
 

@@ -10,7 +10,7 @@ and {"ok": true} when every op agrees with its reference; {"ok": false, "stage":
 The checks are the tests' in miniature (tests/test_quant.py, tests/test_native_layers.py):
 the k-quant matmul against a float64 product of gguf's dequantised weights with the kernel's own
 int8 activations, multi-row outputs equal to one-row outputs bit for bit, the Q4_K quantiser
-through gguf's dequantiser, and the layer ops against torch.
+through gguf's dequantiser, and the layer ops and vocabulary passes against torch.
 
 Must not know: which variant is chosen, or where its result is kept (probe.py).
 """
@@ -87,7 +87,7 @@ def check_layers(ops, gen: np.random.Generator) -> None:
 
 
 def check_top_k(ops, gen: np.random.Generator) -> None:
-    from specav.topk import torch_scaled_top_k
+    from specav.topk import torch_scaled_top_k, torch_top_two_tail
 
     x = torch.from_numpy(gen.standard_normal((3, 1000)).astype(np.float32))
     x[1, 10:20] = x[1].max() + 1.0  # a tie across the boundary of k = 5
@@ -97,6 +97,12 @@ def check_top_k(ops, gen: np.random.Generator) -> None:
         ref_values, _, ref_at_least = torch_scaled_top_k(x, t, k)
         if not (torch.equal(values, ref_values) and torch.equal(at_least, ref_at_least)):
             raise AssertionError(f"scaled_top_k k = {k}: differs from torch.topk")
+    values, _, tail, moment = ops.top_two_tail(x)
+    ref_values, _, ref_tail, ref_moment = torch_top_two_tail(x)
+    if not torch.equal(values, ref_values):
+        raise AssertionError("top_two_tail: its top two differ from torch.topk")
+    torch.testing.assert_close(tail, ref_tail, rtol=1e-5, atol=0)
+    torch.testing.assert_close(moment, ref_moment, rtol=1e-5, atol=0)
 
 
 def run(variant: Variant, root: Path | None) -> dict:
