@@ -20,8 +20,8 @@
 //     float64 = sum_j exp(d_j) d_j. acceptance/features.py turns them into logit(q_max), q_max, the
 //     entropy and the top-2 margin.
 //
-// exp here is a degree-6 polynomial on a range-reduced argument (Cephes' expf, within 2 ulp of
-// torch's), 0 below d = -87.3 where float32 turns subnormal (torch's exp gives at most 152k x 1.2e-38
+// exp here is common.h's exp8 (Cephes' expf, within 2 ulp of torch's), 0 below d = -87.3 where
+// float32 turns subnormal (torch's exp gives at most 152k x 1.2e-38
 // more there, far below what the clamp of logit(q_max) can see). Sums run in float32 lanes over 256
 // entries, then in float64.
 //
@@ -94,24 +94,6 @@ void top_k_row(const float* x, int64_t v, float t, int64_t k, float* values, int
   *at_least = count;
 }
 
-// exp(d) for d <= 0 (8 lanes): Cephes' expf; 0 where d < -87.3 (float32's smallest normal is e^-87.34).
-inline __m256 exp_nonpositive(__m256 d) {
-  const __m256 underflow = _mm256_cmp_ps(d, _mm256_set1_ps(-87.3f), _CMP_GE_OQ);
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(d, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), d);  // d - n ln 2, in two parts
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-  const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(scale)), underflow);
-}
-
 // tail and moment of one row (see the top): every entry but index `skip`, d = max(z - m, -100).
 void tail_row(const float* z, int64_t v, float m, int64_t skip, double* tail, double* moment) {
   const __m256 mv = _mm256_set1_ps(m), floor = _mm256_set1_ps(-100.0f);
@@ -123,7 +105,8 @@ void tail_row(const float* z, int64_t v, float m, int64_t skip, double* tail, do
     const int64_t end = std::min<int64_t>(v - v % 8, i + 256);
     for (; i < end; i += 8) {
       const __m256 d = _mm256_max_ps(_mm256_sub_ps(_mm256_loadu_ps(z + i), mv), floor);
-      __m256 e = exp_nonpositive(d);
+      // 0 below d = -87.3, where exp8 clamps (float32's smallest normal is e^-87.34)
+      __m256 e = _mm256_and_ps(specav_native::exp8(d), _mm256_cmp_ps(d, _mm256_set1_ps(-87.3f), _CMP_GE_OQ));
       if (static_cast<uint64_t>(skip - i) < 8)  // the first maximum is left out of the sums
         e = _mm256_andnot_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(lane, _mm256_set1_epi32(static_cast<int>(skip - i)))), e);
       ts = _mm256_add_ps(ts, e);
