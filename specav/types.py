@@ -10,7 +10,8 @@ Shape letters, used in every `# [..]` comment of the package:
     L   decoder layers
     H   attention heads, Hkv key/value heads, D head dimension
 
-This module owns no logic beyond offsets; it must not import models, servers or samplers.
+This module owns no logic beyond offsets; it must not import models, servers or samplers
+(token_probs.py, the distributions' type, sits below it).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Sequence
 
 import torch
+
+from specav.token_probs import TokenProbs
 
 if TYPE_CHECKING:
     from specav.request import Request
@@ -72,7 +75,7 @@ class DraftBatch:
 
     token_ids: torch.Tensor  # [B, k_max] int64, the draft tokens x_i (-1 = not drafted)
     layout: Ragged  # drafted slots per request (ragged K) and their rows in `probs`
-    probs: torch.Tensor  # [S_d, V] float32, q_i after temperature / top-k / top-p
+    probs: TokenProbs  # S_d rows: q_i after temperature / top-k / top-p (as candidates where top-k allows)
     features: dict[str, torch.Tensor]  # name -> [B, k_max] float32 (acceptance.features; NaN = not drafted)
     hidden: torch.Tensor | None = None  # [S_d, hidden] drafter hidden state per drafted slot, if kept
     forwards: list[tuple[int, int]] = field(default_factory=list)  # per drafter forward: (tokens fed,

@@ -52,11 +52,11 @@ class QMaxPlanner(StaticPlanner):
 def exact_joint(target, params: SamplingParams) -> np.ndarray:
     """P(t1, t2) of the target alone, with the same processing of logits # [V, V]."""
     rows = SamplingRows.of([Request(PROMPT, params)], [1])
-    first = rows.probs(target.forward([PROMPT], [target.new_cache()], [1]).logits)[0]
+    first = rows.distributions(target.forward([PROMPT], [target.new_cache()], [1]).logits).to_dense()[0]
     joint = np.zeros((V, V))
     for t1 in range(V):
         out = target.forward([PROMPT + [t1]], [target.new_cache()], [1]).logits
-        joint[t1] = (first[t1] * rows.probs(out)[0]).double().numpy()
+        joint[t1] = (first[t1] * rows.distributions(out).to_dense()[0]).double().numpy()
     return joint
 
 

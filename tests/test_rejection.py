@@ -22,6 +22,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+from specav.token_probs import TokenProbs
 from specav.types import Ragged
 from specav.verification import rejection
 from specav.verification.rejection import rejection_sample, rejection_sample_reference, residual_probs
@@ -351,9 +352,33 @@ def sampled_outputs(batch: Batch, trials: int, sampler=rejection_sample) -> list
 TRIALS = 3000
 
 
-def test_fast_sampler_matches_exact_distributions():
+def as_candidates(probs: torch.Tensor) -> TokenProbs:
+    """Dense rows # [N, V] as a TokenProbs of their positive entries (padded with V, as the engine's)."""
+    n, vocab = probs.shape
+    width = max(1, int((probs > 0).sum(-1).max())) if n else 1
+    values, ids = probs.topk(width, dim=-1)
+    return TokenProbs.candidates(torch.where(values > 0, ids, vocab), values, vocab)
+
+
+def candidates_sampler(draft_form: str, target_form: str):
+    """rejection_sample with q and / or p handed over as candidates instead of dense rows."""
+    def sampler(drafts, q, p, admitted, generators):
+        q = as_candidates(q) if draft_form == "candidates" else q
+        p = as_candidates(p) if target_form == "candidates" else p
+        return rejection_sample(drafts, q, p, admitted, generators)
+    return sampler
+
+
+FORMS = pytest.mark.parametrize("sampler", [rejection_sample, candidates_sampler("candidates", "candidates"),
+                                            candidates_sampler("candidates", "dense"),
+                                            candidates_sampler("dense", "candidates")],
+                                ids=["dense", "candidates", "q-candidates", "p-candidates"])
+
+
+@FORMS
+def test_fast_sampler_matches_exact_distributions(sampler):
     batch = make_batch(NUM_ADMITTED)
-    outputs = sampled_outputs(batch, TRIALS)
+    outputs = sampled_outputs(batch, TRIALS, sampler)
     for b, k in enumerate(NUM_ADMITTED):
         toy = batch.toy(b)
         first = [out[:1] for out in outputs[b]]
@@ -362,11 +387,12 @@ def test_fast_sampler_matches_exact_distributions():
         assert chi2_pvalue(outputs[b], step) > 1e-3, f"request {b}: emitted sequences"
 
 
-def test_a_broken_sampler_fails_the_same_test(monkeypatch):
+@FORMS
+def test_a_broken_sampler_fails_the_same_test(monkeypatch, sampler):
     """Negative control: recovered tokens drawn from p_i instead of the residual."""
     monkeypatch.setattr(rejection, "_residual_weights", lambda p, q: p)
     batch = make_batch(NUM_ADMITTED)
-    outputs = sampled_outputs(batch, TRIALS)
+    outputs = sampled_outputs(batch, TRIALS, sampler)
     for b, k in enumerate(NUM_ADMITTED):
         if k > 0:
             first = [out[:1] for out in outputs[b]]
@@ -375,10 +401,11 @@ def test_a_broken_sampler_fails_the_same_test(monkeypatch):
 
 @pytest.mark.parametrize("params", [Params(), Params(0.7, 3, 0.9), Params(temperature=0.0)],
                          ids=["plain", "truncated", "greedy"])
-def test_fast_equals_reference_draw_for_draw(params):
+@FORMS
+def test_fast_equals_reference_draw_for_draw(params, sampler):
     batch = make_batch([2, 0, 3, 1, 0, 4], seed=1, params=params)
     for seed in range(150):
-        drafts, fast = draft_and_verify(batch, seed, rejection_sample)
+        drafts, fast = draft_and_verify(batch, seed, sampler)
         _, slow = draft_and_verify(batch, seed, rejection_sample_reference)
         assert fast.output_tokens == slow.output_tokens
         assert torch.equal(fast.num_accepted, slow.num_accepted)

@@ -203,7 +203,7 @@ class FullQReported:
         if drafts.hidden is None:  # nothing drafted this step
             return drafts
         rows = SamplingRows.of(requests, drafts.num_drafted.tolist())
-        return dataclasses.replace(drafts, probs=rows.probs(self.full_head(drafts.hidden).float()))
+        return dataclasses.replace(drafts, probs=rows.distributions(self.full_head(drafts.hidden).float()))
 
     def pending_tokens(self, requests):
         return self.inner.pending_tokens(requests)
@@ -259,7 +259,7 @@ def test_subset_q_is_zero_outside_the_subset(pair):
     seen = []
     engine.step_listeners.append(lambda record: seen.append(record.drafts.probs))
     engine.generate([PROMPT] * 4, SamplingParams(temperature=1.0, max_tokens=4, seed=0))
-    probs = torch.cat(seen)  # [S_d, V]
+    probs = torch.cat([p.to_dense() for p in seen])  # [S_d, V]
     outside = torch.ones(V, dtype=torch.bool)
     outside[SUBSET] = False
     assert probs.shape[0] > 0 and (probs[:, outside] == 0).all()

@@ -29,6 +29,7 @@ from typing import Callable
 
 import torch
 
+from specav.token_probs import TokenProbs
 from specav.topk import top_two_tail, torch_top_two_tail
 
 DEFAULT_CLAMP = 40.0  # EstimatorConfig.feature_clamp's default
@@ -95,20 +96,27 @@ def top2_margin(logits: torch.Tensor) -> torch.Tensor:
     return torch.where(_no_distribution(z), math.nan, top[..., 0] - second)
 
 
-def q_sampled(probs: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+def q_sampled(probs: torch.Tensor | TokenProbs, token_ids: torch.Tensor) -> torch.Tensor:
     """q_i(x_i): the drafter's probability of its own draft token. LOSSY: never trim on it.
 
-    probs: # [N, V] q_i after temperature / top-k / top-p; token_ids: # [N] int, -1 for
-    padding -> # [N] (NaN at padding).
+    probs: # [N, V] q_i after temperature / top-k / top-p, or those N rows as a TokenProbs;
+    token_ids: # [N] int, -1 for padding -> # [N] (NaN at padding).
     """
-    if probs.shape[:-1] != token_ids.shape:
+    if isinstance(probs, TokenProbs):
+        if (len(probs),) != tuple(token_ids.shape):
+            raise ValueError(f"probs has {len(probs)} rows and token_ids shape {tuple(token_ids.shape)}; "
+                             "they must agree ([N] tokens for N rows)")
+    elif probs.shape[:-1] != token_ids.shape:
         raise ValueError(f"probs {tuple(probs.shape)} and token_ids {tuple(token_ids.shape)} "
                          "must agree on the leading shape ([N, V] and [N])")
     if token_ids.dtype.is_floating_point or token_ids.dtype == torch.bool:
         raise ValueError(f"token_ids must be an integer tensor, got {token_ids.dtype}")
-    p = _as_float(probs)
     pad = token_ids < 0
-    picked = p.gather(-1, token_ids.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    if isinstance(probs, TokenProbs):
+        picked = probs.at(token_ids.clamp(min=0).long())
+        picked = picked if picked.dtype == torch.float64 else picked.float()
+    else:
+        picked = _as_float(probs).gather(-1, token_ids.clamp(min=0).unsqueeze(-1)).squeeze(-1)
     return torch.where(pad, math.nan, picked)
 
 
@@ -169,11 +177,12 @@ class SlotFeatures:
     q_sampled: torch.Tensor  # lossy: evaluation only
 
 
-def compute_slot_features(logits: torch.Tensor, probs: torch.Tensor, token_ids: torch.Tensor,
+def compute_slot_features(logits: torch.Tensor, probs: torch.Tensor | TokenProbs, token_ids: torch.Tensor,
                           clamp: float = DEFAULT_CLAMP) -> SlotFeatures:
     """All features of N slots, in a few passes over the vocabulary (the drafter calls it per slot).
 
-    logits: # [N, V] temperature-scaled, untruncated; probs: # [N, V] q_i (truncated);
+    logits: # [N, V] temperature-scaled, untruncated; probs: # [N, V] q_i (truncated), or its N rows
+    as a TokenProbs;
     token_ids: # [N] draft tokens, -1 for padding.
 
     One shared computation gives all four logit features: with m the largest logit and
@@ -182,9 +191,9 @@ def compute_slot_features(logits: torch.Tensor, probs: torch.Tensor, token_ids: 
     (1 - exp(z_2 - m)) / (1 + S). Only the argmax entry is left out of S, as in logit_q_max.
     Rows the shared form cannot take (a NaN, a +inf, no finite logit) use the functions above.
     """
-    if logits.shape != probs.shape:
-        raise ValueError(f"logits {tuple(logits.shape)} and probs {tuple(probs.shape)} "
-                         "must have the same shape [N, V]")
+    shape = (len(probs), probs.vocab) if isinstance(probs, TokenProbs) else tuple(probs.shape)
+    if tuple(logits.shape) != shape:
+        raise ValueError(f"logits {tuple(logits.shape)} and probs {shape} must have the same shape [N, V]")
     z = _as_float(logits)
     special = ~torch.isfinite(z.amax(-1))  # [N]: a NaN, a +inf or no finite logit (amax propagates NaN)
     if z.dtype == torch.float32 and z.ndim == 2 and z.shape[-1] > 1 and not bool(special.any()):

@@ -147,7 +147,7 @@ def processed(logits: torch.Tensor, prompt: list[int], mask: torch.Tensor | None
     if mask is not None:
         logits = logits.masked_fill(~mask, float("-inf"))
     rows = SamplingRows.of([Request(prompt, SamplingParams(**SAMPLING))], [logits.shape[0]])
-    return rows.probs(logits)
+    return rows.distributions(logits).to_dense()
 
 
 def forced_acceptance(target: Checkpoint, drafter: Checkpoint, heads: Heads, prompts: list[list[int]],

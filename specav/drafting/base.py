@@ -17,6 +17,7 @@ from typing import Callable, Protocol, Sequence
 import torch
 
 from specav.request import Request
+from specav.token_probs import TokenProbs
 from specav.types import AcceptResult, DraftBatch, Ragged
 
 
@@ -82,7 +83,7 @@ class NoDrafter:
                 stop_rule: StopRule | None = None) -> DraftBatch:
         b = len(requests)
         return DraftBatch(torch.full((b, 0), -1, dtype=torch.int64), Ragged.of([0] * b),
-                          torch.zeros(0, self.vocab_size), {})
+                          TokenProbs.dense(torch.zeros(0, self.vocab_size)), {})
 
     def pending_tokens(self, requests: Sequence[Request]) -> list[int]:
         return [0] * len(requests)

@@ -27,6 +27,7 @@ from specav.drafting.base import StopRule, register
 from specav.models.kv_cache import KVCache
 from specav.models.packed import PackedCausalLM
 from specav.request import Request
+from specav.token_probs import TokenProbs
 from specav.types import AcceptResult, DraftBatch, Ragged, attended
 from specav.verification.sampling import sample
 from specav.verification.sampling_rows import SamplingRows
@@ -60,11 +61,13 @@ class DraftModelDrafter:
         b, k = len(requests), max(num_slots, default=0)
         token_ids = torch.full((b, k), -1, dtype=torch.int64)  # [B, K]
         features = {n: torch.full((b, k), float("nan")) for n in FEATURE_NAMES}  # name -> [B, K]
-        slot_probs: list[list[torch.Tensor]] = [[] for _ in range(b)]  # per request, its q_i rows
+        slot_probs: list[TokenProbs] = []  # per forward, q_i of the requests it drafted for
+        slot_rows: list[list[int]] = [[] for _ in range(b)]  # per request, its q_i rows in slot_probs' rows
         slot_hidden: list[list[torch.Tensor]] = [[] for _ in range(b)]
         states = [self._state(r) for r in requests]
         forwards: list[tuple[int, int]] = []
         active = [i for i in range(b) if num_slots[i] > 0]
+        first_row = 0  # of this forward's rows, counted over all forwards
         for slot in range(k):
             if not active:
                 break
@@ -74,29 +77,33 @@ class DraftModelDrafter:
             out = self.model.forward(feed, [states[i].cache for i in active], [1] * len(active))
             rows = SamplingRows.of([requests[i] for i in active], [1] * len(active),
                                    [token_ids[i, :slot].tolist() for i in active], model="drafter")
-            probs = rows.probs(out.logits)  # [A, V]
+            probs = rows.distributions(out.logits)  # A rows
             tokens = sample(probs, rows.generators)  # [A]
             idx = torch.tensor(active)
             token_ids[idx, slot] = tokens
             slot_features = self._features(rows, out.logits, probs, tokens)
             for name, value in slot_features.items():
                 features[name][idx, slot] = value
+            slot_probs.append(probs)
             for j, i in enumerate(active):
-                slot_probs[i].append(probs[j])
+                slot_rows[i].append(first_row + j)
                 if self.keep_hidden:
                     slot_hidden[i].append(out.hidden[j])
                 if slot == 0:
                     states[i].pending = []
+            first_row += len(active)
             keep = [i for i in active if num_slots[i] > slot + 1]
             if stop_rule is not None and keep:
                 more = stop_rule.keep_drafting(slot, active, slot_features).tolist()
                 keep = [i for i, go in zip(active, more) if go and num_slots[i] > slot + 1]
             active = keep
-        flat = [p for per in slot_probs for p in per]
+        order = [r for per in slot_rows for r in per]  # request-major, as DraftBatch.layout says
+        probs = TokenProbs.cat(slot_probs, self.model.vocab_size)
+        if order != list(range(len(order))):
+            probs = probs.rows(torch.tensor(order, dtype=torch.int64))
         flat_hidden = [h for per in slot_hidden for h in per]
-        drafted = [len(per) for per in slot_probs]
-        return DraftBatch(token_ids[:, :max(drafted, default=0)], Ragged.of(drafted),
-                          torch.stack(flat) if flat else torch.zeros(0, self.model.vocab_size),
+        drafted = [len(per) for per in slot_rows]
+        return DraftBatch(token_ids[:, :max(drafted, default=0)], Ragged.of(drafted), probs,
                           {n: f[:, :max(drafted, default=0)] for n, f in features.items()},
                           torch.stack(flat_hidden) if flat_hidden else None, forwards)
 
@@ -104,13 +111,13 @@ class DraftModelDrafter:
         return [len(self._states[r.request_id].pending) if r.request_id in self._states else len(r.prompt_ids)
                 for r in requests]
 
-    def _features(self, rows: SamplingRows, logits: torch.Tensor, probs: torch.Tensor,
+    def _features(self, rows: SamplingRows, logits: torch.Tensor, probs: TokenProbs,
                   tokens: torch.Tensor) -> dict[str, torch.Tensor]:
         """Every logged feature of A slots # [A]: from temperature-scaled, untruncated logits, plus
         q_sampled (lossy) and q_max after top-k/top-p (both logged for evaluation, never scored)."""
         f = compute_slot_features(rows.scaled_logits(logits), probs, tokens, self.feature_clamp)
         values = {name: getattr(f, name) for name in FEATURE_NAMES if name != "q_max_truncated"}
-        values["q_max_truncated"] = probs.amax(dim=-1)
+        values["q_max_truncated"] = probs.max()
         return values
 
     def commit(self, requests: Sequence[Request], drafts: DraftBatch, result: AcceptResult) -> None:

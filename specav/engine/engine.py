@@ -45,6 +45,7 @@ from specav.models.loader import check_same_vocabulary, load_checkpoint
 from specav.models.packed import PackedCausalLM
 from specav.models.vocab_subset import apply_vocab_subset
 from specav.request import Request, StepOutput, TokenLogprob
+from specav.token_probs import TokenProbs
 from specav.types import AcceptResult, DraftBatch, Plan, Scores, StageTimes, StepRecord
 from specav.verification.cost_model import CostModel, CostProfile
 from specav.verification.planner import Planner, RequestShape, make_planner
@@ -204,8 +205,8 @@ class Engine:
         return score_drafts(self.scorer, drafts, self.num_slots)
 
     def _accept(self, batch: Sequence[Request], drafts: DraftBatch, plan: Plan,
-                target_probs: torch.Tensor) -> AcceptResult:
-        return rejection_sample(plan.tokens, drafts.probs[plan.draft_rows], target_probs, plan.admitted,
+                target_probs: TokenProbs) -> AcceptResult:
+        return rejection_sample(plan.tokens, drafts.probs.rows(plan.draft_rows), target_probs, plan.admitted,
                                 [r.generator for r in batch])
 
     def _observe(self, record: StepRecord) -> None:

@@ -19,12 +19,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
-import torch
-
 from specav.request import Request
 from specav.verification.sampling_rows import SamplingRows
 from specav.models.kv_cache import KVCache
 from specav.models.packed import PackedCausalLM
+from specav.token_probs import TokenProbs
 from specav.types import AcceptResult
 from specav.verification.planner import RequestShape
 
@@ -50,8 +49,8 @@ class TargetVerifier:
         states = [self._state(r) for r in requests]
         return [RequestShape(len(s.pending), s.cache.length) for s in states]
 
-    def verify(self, requests: Sequence[Request], admitted: Sequence[list[int]]) -> torch.Tensor:
-        """admitted[b]: request b's admitted draft tokens. Returns p # [S + B, V]: per request,
+    def verify(self, requests: Sequence[Request], admitted: Sequence[list[int]]) -> TokenProbs:
+        """admitted[b]: request b's admitted draft tokens. Returns p (S + B rows): per request,
         one row per admitted slot, then its bonus row (the layout rejection_sample expects)."""
         states = [self._state(r) for r in requests]
         feed = [s.pending + list(tokens) for s, tokens in zip(states, admitted)]
@@ -59,7 +58,7 @@ class TargetVerifier:
         out = self.model.forward(feed, [s.cache for s in states], num_logits)
         for s in states:
             s.pending = []
-        return SamplingRows.of(requests, num_logits, admitted, model="target").probs(out.logits)
+        return SamplingRows.of(requests, num_logits, admitted, model="target").distributions(out.logits)
 
     def commit(self, requests: Sequence[Request], num_admitted: Sequence[int], result: AcceptResult) -> None:
         for b, request in enumerate(requests):

@@ -46,6 +46,7 @@ from typing import Sequence
 
 import torch
 
+from specav.token_probs import TokenProbs
 from specav.types import AcceptResult, Ragged
 from specav.verification.sampling import categorical, sample
 
@@ -54,17 +55,21 @@ RESIDUAL_EPS = 1e-6  # residual mass below which the recovered token is drawn fr
 
 def rejection_sample(
     draft_token_ids: torch.Tensor,  # [S] int64, admitted draft tokens of all requests, concatenated
-    draft_probs: torch.Tensor,  # [S, V] q_i of those slots (processed)
-    target_probs: torch.Tensor,  # [S + B, V] p_i (processed); request b: k_b slot rows, then its bonus row
+    draft_probs: TokenProbs | torch.Tensor,  # S rows: q_i of those slots (processed); a tensor is [S, V]
+    target_probs: TokenProbs | torch.Tensor,  # S + B rows: p_i (processed); request b: k_b slot rows, then its bonus row
     admitted: Ragged,  # k_b admitted slots per request (may be 0) and their offsets d_b
     generators: Sequence[torch.Generator],  # [B], one per request
 ) -> AcceptResult:
-    """Vectorised rejection sampling of a ragged batch (see the module docstring for the rule)."""
-    counts = _check_inputs(draft_token_ids, draft_probs, target_probs, admitted, generators)
-    device = target_probs.device
-    uniforms = _draw_uniforms(counts, generators, device)  # [S], draw order phase 1
-    num_accepted = _count_accepted(draft_token_ids, draft_probs, target_probs, uniforms, admitted)  # [B]
-    weights = _last_token_weights(draft_probs, target_probs, num_accepted, admitted)  # [B, V]
+    """Vectorised rejection sampling of a ragged batch (see the module docstring for the rule).
+
+    Rows carried as candidates (TokenProbs) are used as they are: p_i(x) and q_i(x) are looked up
+    among a row's candidates, and the residual max(0, p - q) lives on p's candidates, since it is
+    zero wherever p is."""
+    q, p = TokenProbs.of(draft_probs), TokenProbs.of(target_probs)
+    counts = _check_inputs(draft_token_ids, q, p, admitted, generators)
+    uniforms = _draw_uniforms(counts, generators)  # [S], draw order phase 1
+    num_accepted = _count_accepted(draft_token_ids, q, p, uniforms, admitted)  # [B]
+    weights = _last_token_weights(q, p, num_accepted, admitted)  # B rows
     last_tokens = sample(weights, generators).tolist()  # draw order phase 2
 
     drafts, starts = draft_token_ids.tolist(), admitted.starts.tolist()
@@ -72,44 +77,44 @@ def rejection_sample(
     return AcceptResult(num_accepted=num_accepted, output_tokens=output_tokens)
 
 
-def _count_accepted(draft_token_ids: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor,
-                    uniforms: torch.Tensor, admitted: Ragged) -> torch.Tensor:
+def _count_accepted(draft_token_ids: torch.Tensor, q: TokenProbs, p: TokenProbs, uniforms: torch.Tensor,
+                    admitted: Ragged) -> torch.Tensor:
     """Accepted draft tokens per request (# [B]): the index of its first rejected slot, else k_b."""
-    device = target_probs.device
-    request, position = admitted.request.to(device), admitted.position.to(device)  # [S] each
-    slot = torch.arange(draft_token_ids.shape[0], device=device)  # [S]
-    x = draft_token_ids.to(device=device, dtype=torch.int64)[:, None]  # [S, 1]
-    p_x = target_probs[slot + request].gather(1, x).squeeze(1).double()  # [S]: slot s of request b is row s + b
-    q_x = draft_probs.gather(1, x).squeeze(1).double()  # [S]
+    request, position = admitted.request, admitted.position  # [S] each
+    slot = torch.arange(draft_token_ids.shape[0])  # [S]
+    x = draft_token_ids.to(torch.int64)  # [S]
+    p_x = p.at(x, rows=slot + request).double()  # [S]: slot s of request b is row s + b
+    q_x = q.at(x).double()  # [S]
     rejected = ~(uniforms * q_x < p_x)  # [S]
-    return admitted.counts.to(device).clone().scatter_reduce_(0, request[rejected], position[rejected],
-                                                              reduce="amin")
+    return admitted.counts.clone().scatter_reduce_(0, request[rejected], position[rejected], reduce="amin")
 
 
-def _last_token_weights(draft_probs: torch.Tensor, target_probs: torch.Tensor, num_accepted: torch.Tensor,
-                        admitted: Ragged) -> torch.Tensor:
-    """Per request, the unnormalised distribution of its recovered or bonus token (# [B, V])."""
-    device = target_probs.device
-    starts = admitted.starts.to(device)  # [B] d_b
-    rejected = num_accepted < admitted.counts.to(device)  # [B]
-    target_start = starts + torch.arange(len(admitted), device=device)  # [B] d_b + b
-    p_last = target_probs[target_start + num_accepted]  # [B, V] p at the stop row
-    q_last = torch.zeros_like(p_last)  # [B, V] q at the rejected slot (zero where none)
-    q_last[rejected] = draft_probs[(starts + num_accepted)[rejected]]
-    return torch.where(rejected[:, None], _residual_weights(p_last, q_last), p_last)
+def _last_token_weights(q: TokenProbs, p: TokenProbs, num_accepted: torch.Tensor, admitted: Ragged) -> TokenProbs:
+    """Per request, the unnormalised distribution of its recovered or bonus token (B rows, on p's candidates)."""
+    starts = admitted.starts  # [B] d_b
+    rejected = num_accepted < admitted.counts  # [B]
+    p_last = p.rows(starts + torch.arange(len(admitted)) + num_accepted)  # p at the stop row (d_b + b + n_b)
+    if not bool(rejected.any()):
+        return p_last
+    at_q = torch.zeros_like(p_last.probs) if p_last.ids is not None else torch.zeros(len(p_last), p.vocab)
+    rows = rejected.nonzero().flatten()
+    q_rejected = q.rows((starts + num_accepted)[rows])  # q at the rejected slot
+    at_q[rows] = q_rejected.lookup(None if p_last.ids is None else p_last.ids[rows])  # q on p's candidates
+    return TokenProbs(_residual_weights(p_last.probs, at_q), p_last.ids, p.vocab)
 
 
 def rejection_sample_reference(
     draft_token_ids: torch.Tensor,  # [S] int64
-    draft_probs: torch.Tensor,  # [S, V]
-    target_probs: torch.Tensor,  # [S + B, V]
+    draft_probs: TokenProbs | torch.Tensor,  # [S, V]
+    target_probs: TokenProbs | torch.Tensor,  # [S + B, V]
     admitted: Ragged,  # k_b per request
     generators: Sequence[torch.Generator],  # [B]
 ) -> AcceptResult:
-    """Plain per-request, per-slot loop; same rule and draw order as `rejection_sample`."""
-    counts = _check_inputs(draft_token_ids, draft_probs, target_probs, admitted, generators)
-    uniforms = [torch.rand(k, generator=g, dtype=torch.float64, device=target_probs.device)
-                for k, g in zip(counts, generators)]  # draw order, phase 1
+    """Plain per-request, per-slot loop over dense rows; same rule and draw order as `rejection_sample`."""
+    draft_probs, target_probs = TokenProbs.of(draft_probs).to_dense(), TokenProbs.of(target_probs).to_dense()
+    counts = _check_inputs(draft_token_ids, TokenProbs.dense(draft_probs), TokenProbs.dense(target_probs),
+                           admitted, generators)
+    uniforms = [torch.rand(k, generator=g, dtype=torch.float64) for k, g in zip(counts, generators)]  # draw order, phase 1
     num_accepted, output_tokens = [], []
     d = 0  # first draft row of request b; its first target row is d + b
     for b, k in enumerate(counts):
@@ -149,28 +154,26 @@ def _residual_weights(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return torch.where(mass > RESIDUAL_EPS, residual, p)
 
 
-def _draw_uniforms(counts: list[int], generators: Sequence[torch.Generator],
-                   device: torch.device) -> torch.Tensor:
+def _draw_uniforms(counts: list[int], generators: Sequence[torch.Generator]) -> torch.Tensor:
     """Phase 1 of the draw order: k_b float64 uniforms per request, concatenated (# [S])."""
-    parts = [torch.rand(k, generator=g, dtype=torch.float64, device=device)
-             for k, g in zip(counts, generators)]
-    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64, device=device)
+    parts = [torch.rand(k, generator=g, dtype=torch.float64) for k, g in zip(counts, generators)]
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)
 
 
-def _check_inputs(draft_token_ids: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor,
+def _check_inputs(draft_token_ids: torch.Tensor, draft_probs: TokenProbs, target_probs: TokenProbs,
                   admitted: Ragged, generators: Sequence[torch.Generator]) -> list[int]:
     """Validate the ragged layout; return the admitted counts as a list of ints."""
     counts = [int(k) for k in admitted.counts.tolist()]
     B, S = len(counts), sum(counts)
     if any(k < 0 for k in counts):
         raise ValueError(f"admitted counts must be >= 0, got {counts}")
-    if draft_token_ids.shape != (S,) or draft_probs.shape[0] != S:
+    if draft_token_ids.shape != (S,) or len(draft_probs) != S:
         raise ValueError(f"the admitted counts sum to S = {S}, but draft_token_ids has shape "
-                         f"{tuple(draft_token_ids.shape)} and draft_probs {tuple(draft_probs.shape)}; "
+                         f"{tuple(draft_token_ids.shape)} and draft_probs {len(draft_probs)} rows; "
                          "both need S rows")
-    if target_probs.shape[0] != S + B or target_probs.shape[1:] != draft_probs.shape[1:]:
-        raise ValueError(f"target_probs has shape {tuple(target_probs.shape)}; expected "
-                         f"(S + B, V) = ({S + B}, {draft_probs.shape[-1]}): each request needs "
+    if len(target_probs) != S + B or target_probs.vocab != draft_probs.vocab:
+        raise ValueError(f"target_probs has {len(target_probs)} rows over V = {target_probs.vocab}; expected "
+                         f"(S + B, V) = ({S + B}, {draft_probs.vocab}): each request needs "
                          "its slot rows plus one bonus row")
     if len(generators) != B:
         raise ValueError(f"got {len(generators)} generators for B = {B} requests; pass one per request")

@@ -30,6 +30,7 @@ from typing import Sequence
 
 import torch
 
+from specav.token_probs import TokenProbs
 from specav.topk import scaled_top_k
 
 
@@ -103,42 +104,69 @@ def processed_probs(
     Greedy rows (temperature 0) are a one-hot at the argmax of the raw logits (first index on
     ties); top-k and top-p do not change them. The same call produces q_i from the drafter's
     logits and p_i from the target's (see the module docstring). Rows without a distribution
-    (`non_finite_rows`) raise NonFiniteLogitsError.
+    (`non_finite_rows`) raise NonFiniteLogitsError. `processed_distributions` gives the same rows
+    as their candidates.
+    """
+    return processed_distributions(logits, temperature, top_k, top_p).to_dense()
 
-    Rows with 0 < top_k <= _SPARSE_TOP_K (< V) are computed on their k candidates only (softmax
-    and nucleus over k values, then scattered into zeros), which costs one pass over the
-    vocabulary instead of a dozen; a row with a tie at its k-th value beyond k takes the dense
-    path, which keeps all tied tokens. Each row's path depends on that row alone, so a row's
-    result never depends on the rest of the batch.
+
+def processed_distributions(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+) -> TokenProbs:
+    """processed_probs as a TokenProbs: the rows as their candidates wherever every row has them.
+
+    Greedy rows are one candidate (the argmax of the raw logits). Rows with
+    0 < top_k <= _SPARSE_TOP_K (< V) are computed on their k candidates only (softmax and nucleus
+    over k values), which costs one pass over the vocabulary instead of a dozen; a row with a tie
+    at its k-th value beyond k takes the dense path, which keeps all tied tokens. If any row is
+    dense, so is the result (the candidates scattered into zeros). Each row's probabilities depend
+    on that row alone, so a row's result never depends on the rest of the batch.
     """
     bad = non_finite_rows(logits)
     if bool(bad.any()):
         raise NonFiniteLogitsError(bad.nonzero().flatten().tolist())
     logits32 = logits.float().contiguous()
-    top_k = top_k.to(device=logits.device, dtype=torch.int64)
-    top_p = top_p.to(logits.device)
-    greedy = temperature.to(logits.device) == 0
-    sparse = (top_k > 0) & (top_k <= min(_SPARSE_TOP_K, logits.shape[-1] - 1)) & ~greedy
-    if not bool(sparse.any()):
-        return _apply_greedy(_dense_probs(temperature_logits(logits32, temperature), top_k, top_p), logits, temperature)
-    n = logits.shape[0]
+    n, vocab = logits32.shape
+    if n == 0:
+        return TokenProbs.dense(logits32)
+    temperature, top_k, top_p = temperature.float(), top_k.to(torch.int64), top_p.float()
+    # Rows grouped on the host: most batches are one group (every request with the same top_k).
+    ks = [0 if t == 0 else k if 0 < k <= min(_SPARSE_TOP_K, vocab - 1) else -1
+          for t, k in zip(temperature.tolist(), top_k.tolist())]  # 0: greedy, -1: dense, else k
+    groups: dict[int, list[int]] = {}
+    for row, k in enumerate(ks):
+        groups.setdefault(k, []).append(row)
+    parts: list[tuple[list[int], TokenProbs]] = []  # rows and their candidates
+    dense_rows = groups.pop(-1, [])
+    for k, rows in groups.items():
+        index = None if len(rows) == n else torch.tensor(rows, dtype=torch.int64)  # None: every row, no copies
+        if k == 0:  # greedy: the argmax of the raw logits, first on ties
+            argmax = (logits if index is None else logits[index]).argmax(-1, keepdim=True)
+            parts.append((rows, TokenProbs(torch.ones(argmax.shape), argmax, vocab)))
+            continue
+        ids, part, untied = _top_k_candidate_probs(logits32 if index is None else logits32[index],
+                                                   temperature if index is None else temperature[index], k,
+                                                   top_p if index is None else top_p[index])
+        if bool(untied.all()):
+            parts.append((rows, TokenProbs.candidates(ids, part, vocab)))
+        else:  # a tie at the k-th value: those rows go dense
+            keep = untied.tolist()
+            dense_rows += [r for r, u in zip(rows, keep) if not u]
+            parts.append(([r for r, u in zip(rows, keep) if u], TokenProbs.candidates(ids[untied], part[untied], vocab)))
+    if not dense_rows:
+        if len(parts) == 1:
+            return parts[0][1]  # the usual batch
+        order = torch.tensor([r for rows, _ in parts for r in rows]).argsort()  # candidates of several widths
+        return TokenProbs.cat([part for _, part in parts], vocab).rows(order)
     probs = torch.zeros_like(logits32)
-    dense = ~sparse
-    for k in top_k[sparse].unique().tolist():
-        rows = (sparse & (top_k == k)).nonzero().flatten()
-        whole = rows.numel() == n  # every row in this group (the usual batch): no copies of rows
-        index, part, untied = _top_k_candidate_probs(logits32 if whole else logits32[rows],
-                                                     temperature.float()[rows], k, top_p[rows])
-        if whole and bool(untied.all()):
-            probs.scatter_(1, index, part)
-        else:
-            kept = rows[untied]
-            probs[kept] = torch.zeros(kept.numel(), logits.shape[-1]).scatter_(1, index[untied], part[untied])
-            dense[rows[~untied]] = True
-    rows = dense.nonzero().flatten()
-    if rows.numel():
-        probs[rows] = _dense_probs(temperature_logits(logits32[rows], temperature[rows]), top_k[rows], top_p[rows])
-    return _apply_greedy(probs, logits, temperature)
+    for rows, part in parts:
+        probs[rows] = part.to_dense()
+    rows = torch.tensor(sorted(dense_rows), dtype=torch.int64)
+    probs[rows] = _dense_probs(temperature_logits(logits32[rows], temperature[rows]), top_k[rows], top_p[rows])
+    return TokenProbs.dense(probs)
 
 
 _SPARSE_TOP_K = 1024  # rows with 0 < top_k <= this are computed on their top-k candidates
@@ -159,20 +187,20 @@ def _top_k_candidate_probs(logits: torch.Tensor, temperature: torch.Tensor, k: i
     every tied token) or where fewer than k logits are finite.
     """
     values, index, at_least = scaled_top_k(logits, temperature, k)  # [n, k] descending, [n, k], [n]
-    untied = at_least == k  # [n]
     probs = torch.softmax(values, dim=-1)  # [n, k]
-    nucleus = top_p < 1
+    nucleus = top_p < 1  # [n]
     if bool(nucleus.any()):
-        boundary, _ = _boundary_in_sorted(probs[nucleus], top_p[nucleus].double())
-        sub = probs[nucleus] * ((probs[nucleus] >= boundary) & (probs[nucleus] > 0))
-        probs[nucleus] = sub / sub.sum(-1, keepdim=True)
-    return index, probs, untied
+        boundary, _ = _boundary_in_sorted(probs, top_p.double())
+        sub = probs * ((probs >= boundary) & (probs > 0))
+        probs = torch.where(nucleus[:, None], sub / sub.sum(-1, keepdim=True), probs)
+    return index, probs, at_least == k
 
 
-def sample(probs: torch.Tensor, generators: Sequence[torch.Generator]) -> torch.Tensor:
+def sample(probs: torch.Tensor | TokenProbs, generators: Sequence[torch.Generator]) -> torch.Tensor:
     """One token per row, drawn with that row's generator (rows of one request may share one).
 
-    probs:      # [N, V] float32, non-negative rows with positive sum (need not be normalised)
+    probs:      # [N, V] float32 or a TokenProbs of N rows: non-negative weights with positive sum
+                (need not be normalised)
     generators: N generators on probs' device; each row draws one float64 uniform, in row order
     returns:    # [N] int64
 
@@ -181,22 +209,27 @@ def sample(probs: torch.Tensor, generators: Sequence[torch.Generator]) -> torch.
     zero-weight token is never drawn. One uniform per row, where torch.multinomial draws one
     exponential per vocabulary entry (about 4 ms per row at V = 152k on this machine's CPU).
 
-    Two levels, so a row costs one pass of block sums and not a float64 cumulative sum over the
-    whole vocabulary: the cumulative block sums (blocks of _SAMPLE_BLOCK tokens) find the block,
-    the cumulative sum within it (started from the blocks before it) finds the token. A zero-weight
+    Rows carried as candidates walk their candidates in ascending token order, as a dense row is
+    walked, so a row gives the same token from the same uniform in either form. A dense row walks
+    two levels, so it costs one pass of block sums and not a float64 cumulative sum over the whole
+    vocabulary: the cumulative block sums (blocks of _SAMPLE_BLOCK tokens) find the block, the
+    cumulative sum within it (started from the blocks before it) finds the token. A zero-weight
     token adds nothing to the sum it follows, so it is never the first to exceed the threshold.
     """
-    if len(generators) != probs.shape[0]:
-        raise ValueError(f"sample: got {len(generators)} generators for {probs.shape[0]} rows; "
+    if len(generators) != len(probs):
+        raise ValueError(f"sample: got {len(generators)} generators for {len(probs)} rows; "
                          "pass one generator per row")
     if not generators:
-        return torch.zeros(0, dtype=torch.int64, device=probs.device)
+        return torch.zeros(0, dtype=torch.int64)
+    if isinstance(probs, TokenProbs):
+        if probs.ids is not None:
+            return _sample_candidates(probs, generators)
+        probs = probs.probs
     cumulative = _block_sums(probs).cumsum(-1)  # [N, blocks] float64
     totals = cumulative[:, -1]  # [N]
     if not (torch.isfinite(totals).all() and (totals > 0).all() and probs.min() >= 0):
         raise ValueError("sample: every row needs finite, non-negative weights with a positive sum")
-    u = torch.cat([torch.rand(1, generator=g, dtype=torch.float64, device=probs.device)
-                   for g in generators])  # [N], in row order
+    u = _uniforms(generators)  # [N], in row order
     threshold = (u * totals)[:, None]  # [N, 1]
     block = torch.searchsorted(cumulative, threshold, right=True)  # [N, 1]: the first block past it
     overflow = block[:, 0] >= cumulative.shape[1]  # u * total rounded up to the total
@@ -215,6 +248,26 @@ def sample(probs: torch.Tensor, generators: Sequence[torch.Generator]) -> torch.
     if bool(overflow.any()):
         tokens = torch.where(overflow, _last_positive(probs), tokens)
     return tokens
+
+
+def _sample_candidates(probs: TokenProbs, generators: Sequence[torch.Generator]) -> torch.Tensor:
+    """`sample` of rows carried as candidates: the inverse CDF over each row's W candidates."""
+    weights = probs.probs.double()
+    cumulative = weights.cumsum(-1)  # [N, W]
+    totals = cumulative[:, -1]
+    if not (torch.isfinite(totals).all() and (totals > 0).all() and probs.probs.min() >= 0):
+        raise ValueError("sample: every row needs finite, non-negative weights with a positive sum")
+    u = _uniforms(generators)
+    offset = torch.searchsorted(cumulative, (u * totals)[:, None], right=True)[:, 0]  # [N]
+    short = offset >= weights.shape[1]  # u * total rounded up to the total: the last weighted candidate
+    if bool(short.any()):
+        offset = torch.where(short, _last_positive(weights), offset)
+    return probs.ids.gather(1, offset[:, None]).squeeze(1)
+
+
+def _uniforms(generators: Sequence[torch.Generator]) -> torch.Tensor:
+    """One float64 uniform per row from its generator, in row order # [N]."""
+    return torch.cat([torch.rand(1, generator=g, dtype=torch.float64) for g in generators])
 
 
 _SAMPLE_BLOCK = 1024  # tokens per block of sample's first level
@@ -290,12 +343,3 @@ def _boundary_in_sorted(desc: torch.Tensor, top_p: torch.Tensor) -> tuple[torch.
     mass_before = cumulative - desc.double()  # mass strictly above each rank
     num_kept = (mass_before < top_p[:, None]).sum(-1).clamp(min=1)
     return desc.gather(1, (num_kept - 1)[:, None]), cumulative[:, -1] >= top_p
-
-
-def _apply_greedy(probs: torch.Tensor, logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
-    """Replace rows with temperature 0 by a one-hot at the argmax of their raw logits."""
-    greedy = (temperature.to(probs.device) == 0)
-    if not bool(greedy.any()):
-        return probs
-    one_hot = torch.zeros_like(probs).scatter_(1, logits.argmax(-1, keepdim=True), 1.0)
-    return torch.where(greedy[:, None], one_hot, probs)

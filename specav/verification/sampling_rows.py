@@ -32,8 +32,9 @@ from typing import Sequence
 import torch
 
 from specav.request import Request
+from specav.token_probs import TokenProbs
 from specav.verification.sampling import (NonFiniteLogitsError, apply_logit_bias, apply_penalties,
-                                          processed_probs, temperature_logits)
+                                          processed_distributions, temperature_logits)
 
 log = logging.getLogger("specav")
 
@@ -66,16 +67,16 @@ class SamplingRows:
                    torch.tensor(top_p, dtype=torch.float32), generators, list(requests), starts,
                    list(rows_per_request), drafts, model)
 
-    def probs(self, logits: torch.Tensor) -> torch.Tensor:
-        """logits # [N, V] -> processed distributions # [N, V] (rows of failed requests: uniform)."""
+    def distributions(self, logits: torch.Tensor) -> TokenProbs:
+        """logits # [N, V] -> processed distributions, N rows (rows of failed requests: uniform)."""
         if self.model == "target":
             self._keep_logprobs(logits)
         transformed = self.transformed(logits)
         try:
-            return processed_probs(transformed, self.temperature, self.top_k, self.top_p)
+            return processed_distributions(transformed, self.temperature, self.top_k, self.top_p)
         except NonFiniteLogitsError as e:
             transformed = self._fail_rows(transformed, e.rows)
-            return processed_probs(transformed, self.temperature, self.top_k, self.top_p)
+            return processed_distributions(transformed, self.temperature, self.top_k, self.top_p)
 
     def scaled_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """logits # [N, V] -> transformed, temperature-scaled, untruncated logits # [N, V] (for features)."""
