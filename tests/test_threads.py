@@ -19,20 +19,36 @@ def drive(policy: ThreadChoice, seconds_for, calls: int, rows: int = 1, availabl
 
 
 def test_tries_each_count_then_keeps_the_faster_and_explores_now_and_then():
-    policy = ThreadChoice(explore_every=8)
+    policy = ThreadChoice(explore_share=0.05)
     used = drive(policy, lambda n, call: {2: 0.036, 1: 0.052}[n], 64)
     assert used[:4] == [2, 2, 1, 1]  # each count twice first
-    assert [i for i, n in enumerate(used) if n == 1] == [2, 3] + list(range(7, 64, 8))  # then one exploring forward in 8
+    # then one exploring forward once 5% of the time since the last covers its extra 0.016 s: every 10th
+    explored = [i for i, n in enumerate(used) if n == 1][2:]
+    assert explored and all(b - a == 10 for a, b in zip(explored, explored[1:]))
+
+
+@pytest.mark.parametrize("rows,seconds", [(1, {2: 0.036, 1: 0.052}), (560, {2: 21.0, 1: 42.0})],
+                         ids=["decode", "prefill"])
+def test_exploring_costs_its_share_of_the_time_whatever_the_forward_size(rows, seconds):
+    """A 560-row prefill explores about once per 50 (its 1-thread forward costs 21 s more); a
+    one-row decode forward, whose counts differ by 16 ms, every few dozen."""
+    policy = ThreadChoice(explore_share=0.02)
+    calls = 3000 if rows == 1 else 300
+    used = drive(policy, lambda n, call: seconds[n], calls, rows=rows)[4:]
+    extra = used.count(1) * (seconds[1] - seconds[2])
+    total = sum(seconds[n] for n in used)
+    assert used.count(1) >= 2
+    assert 0.5 * 0.02 <= extra / total <= 0.02
 
 
 def test_a_cold_first_forward_does_not_decide():
-    policy = ThreadChoice(explore_every=1000)
+    policy = ThreadChoice(explore_share=0.0)
     used = drive(policy, lambda n, call: 0.2 if call == 0 else {2: 0.036, 1: 0.052}[n], 12)
     assert used[4:] == [2] * 8  # the 2-thread count's cold first forward (0.2 s) is not its mean
 
 
 def test_moves_to_one_thread_when_another_process_takes_a_core_and_back_when_it_stops():
-    policy = ThreadChoice(explore_every=8)
+    policy = ThreadChoice(explore_share=0.1)
     busy = range(40, 120)  # calls during which one core is taken: 2 threads 5x slower, 1 thread as before
 
     def seconds(n, call):
@@ -45,7 +61,7 @@ def test_moves_to_one_thread_when_another_process_takes_a_core_and_back_when_it_
 
 
 def test_row_count_groups_learn_apart():
-    policy = ThreadChoice(explore_every=1000)
+    policy = ThreadChoice(explore_share=0.0)
     drive(policy, lambda n, call: {2: 1.0, 1: 2.0}[n], 4, rows=1)
     drive(policy, lambda n, call: {2: 2.0, 1: 1.0}[n], 4, rows=16)
     assert policy.choose(1, 2) == 2 and policy.choose(16, 2) == 1
@@ -65,8 +81,8 @@ def test_scope_sets_and_restores_torch_threads():
 
 
 def test_bad_settings_are_named():
-    with pytest.raises(ValueError, match="explore_every"):
-        ThreadChoice(explore_every=1)
+    with pytest.raises(ValueError, match="explore_share"):
+        ThreadChoice(explore_share=1.0)
     with pytest.raises(ValueError, match="decay"):
         ThreadChoice(decay=1.0)
 
@@ -94,7 +110,7 @@ def test_a_prefill_is_not_judged_by_the_small_verifies_beside_it():
     """A 200-token prefill and a 12-token verify fell in one group (9+ rows): the verify's 1-thread time
     (0.36 s) beat the prefill's 2-thread time (2.5 s), and prefills ran on 1 thread at 1.8x. Groups on
     a doubling scale keep them apart."""
-    policy = ThreadChoice(explore_every=1000)
+    policy = ThreadChoice(explore_share=0.0)
     prefill = lambda n, call: {2: 2.5, 1: 4.5}[n]  # noqa: E731
     drive(policy, prefill, 2, rows=200)
     drive(policy, lambda n, call: {2: 0.30, 1: 0.36}[n], 2, rows=12)
@@ -104,7 +120,7 @@ def test_a_prefill_is_not_judged_by_the_small_verifies_beside_it():
 def test_forwards_of_one_group_are_compared_per_row():
     """Within a group sizes differ up to 2x: 2 threads measured on 16-row forwards (0.10 s a row) and
     1 thread on 9-row ones (0.13 s a row) compare by time per row, not by time (1.6 s against 1.2 s)."""
-    policy = ThreadChoice(explore_every=1000)
+    policy = ThreadChoice(explore_share=0.0)
     drive(policy, lambda n, call: {2: 1.6, 1: 2.9}[n], 2, rows=16)
     drive(policy, lambda n, call: {2: 0.9, 1: 1.2}[n], 2, rows=9)
     assert policy.choose(12, 2) == 2

@@ -2,7 +2,7 @@
 
     python -m specav.bench.adaptive [--workloads code,chat,prose] [--concurrency 1,4,8] [--requests 8]
                                     [--max-tokens 128] [--rounds 1] [--ks 1,2,4,8] [--av-k 8] [--threads 2]
-                                    [--plot docs/adaptive.png]
+                                    [--av-variant probe_share=0.01 ...] [--plot docs/adaptive.png]
 
 For each workload and concurrency C, the same `--requests` prompts (the workload's first ones,
 chat template applied) run to `--max-tokens` tokens each (EOS ignored, so every method does the
@@ -12,6 +12,8 @@ top-k 20, top-p 0.8, request i seeded with i, through:
     target-only    no drafter
     static K=k     every request drafts and verifies k slots per step
     AV             adaptive verification, K = --av-k at most (the engine's default config otherwise)
+    AV a=x,b=y     AV with those AdaptiveConfig fields changed (one row per --av-variant; it takes its
+                   turn right after AV, and the goals are AV's own)
     oracle         drafts and verifies exactly up to the first rejection: replayed from the
                    static K=8 run's steps (same accepted counts, so the same emitted tokens) through
                    the cost model, as that run's measured time x predicted(oracle) / predicted(K=8)
@@ -25,7 +27,10 @@ trials left for the cells would slow whichever method first runs each size); wit
 `--rounds N` each cell takes N turns and its figures are over all of them (speeds here drift
 10-20% within minutes: two rounds in opposite orders cancel a steady drift). Printed per cell:
 tokens/s, the ratio to target-only, to the best static K and to the oracle, tokens per step,
-slots drafted / verified per step, requests that skipped drafting; then AV's goals (issue 11)
+slots drafted / verified per step, requests that skipped drafting, the seconds of the steps that
+prefilled prompts, and the decoding speed against target-only's (target-only's wall time outside
+prefill steps over the method's: every method prefills the same prompts with the same target, so
+prefill's own noise, which can be a third of a cell's time, drops out); then AV's goals (issue 11)
 met or missed, and the share of AV's step time spent in its planner, estimator and cost model.
 This program owns no engine logic.
 """
@@ -33,13 +38,14 @@ This program owns no engine logic.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 from dataclasses import dataclass, field, fields
 
 import torch
 
 from specav.cli import encode_prompt
-from specav.config import EngineConfig, SamplingParams, SpeculativeConfig
+from specav.config import AdaptiveConfig, EngineConfig, SamplingParams, SpeculativeConfig
 from specav.drafting import DraftModelDrafter
 from specav.engine.engine import Engine, eos_token_ids
 from specav.engine.profile import PROFILE_FILE, load_or_profile, profile_key
@@ -74,6 +80,7 @@ class Run:
     drafted: int = 0
     admitted: int = 0
     skipped: int = 0
+    prefill_seconds: float = 0.0  # steps that prefilled a prompt (the same prompts for every method)
     planning_seconds: float = 0.0  # AV only: planner + estimator + cost model
     predicted_seconds: float = 0.0  # AV only: its cost model's step times, summed (against measured)
     measured_seconds: float = 0.0
@@ -87,6 +94,11 @@ class Run:
     @property
     def tps(self) -> float:
         return self.tokens / self.seconds if self.seconds else float("nan")
+
+    @property
+    def decode_seconds(self) -> float:
+        """Wall time outside the steps that prefilled a prompt."""
+        return self.seconds - self.prefill_seconds
 
 
 class _Timed:
@@ -106,16 +118,17 @@ class _Timed:
             setattr(target, name, timed)
 
 
-def build_engine(target, drafter, k: int, adaptive: bool, concurrency: int, profile: CostProfile) -> Engine:
+def build_engine(target, drafter, k: int, adaptive: bool, concurrency: int, profile: CostProfile,
+                 adaptive_config: AdaptiveConfig = AdaptiveConfig()) -> Engine:
     spec = SpeculativeConfig(num_speculative_tokens=k, enable_adaptive_verification=adaptive) if k else None
-    config = EngineConfig(speculative=spec, max_batch_size=concurrency)
+    config = EngineConfig(speculative=spec, max_batch_size=concurrency, adaptive=adaptive_config)
     return Engine(target.model, target.tokenizer, DraftModelDrafter(drafter.model) if k else None, config,
                   eos_token_ids(target), cost_profile=profile if adaptive else None)
 
 
 def run(target, drafter, method: str, k: int, adaptive: bool, prompts: list[list[int]], max_tokens: int,
-        concurrency: int, profile: CostProfile) -> Run:
-    engine = build_engine(target, drafter, k, adaptive, concurrency, profile)
+        concurrency: int, profile: CostProfile, adaptive_config: AdaptiveConfig = AdaptiveConfig()) -> Run:
+    engine = build_engine(target, drafter, k, adaptive, concurrency, profile, adaptive_config)
     result = Run(method)
     counter = [0.0]
     if adaptive:
@@ -136,6 +149,10 @@ def run(target, drafter, method: str, k: int, adaptive: bool, prompts: list[list
                 result.predicted_seconds += record.plan.predicted.total
                 result.measured_seconds += record.times.total
         engine.step_listeners.append(compare)
+    def prefill(record: StepRecord) -> None:
+        if record.prefill_tokens:
+            result.prefill_seconds += record.times.total
+    engine.step_listeners.append(prefill)
     if method == "static K=8":
         engine.step_listeners.append(lambda r: result.replay.append(_replay_step(r)))
     params = [SamplingParams(max_tokens=max_tokens, seed=i, ignore_eos=True, **PARAMS) for i in range(len(prompts))]
@@ -221,7 +238,8 @@ def print_cell(workload: str, concurrency: int, cell: dict[str, Run]) -> None:
         per_step = r.tokens / r.steps if r.steps else float("nan")
         print(f"{workload:<6} {concurrency:>4}  {method:<12} {r.tps:>8.2f} {r.tps / base:>8.2f} {r.tps / best_static:>8.2f} "
               f"{r.tps / oracle_tps:>8.2f} {per_step:>8.2f} {r.drafted / max(r.steps, 1):>8.2f} "
-              f"{r.admitted / max(r.steps, 1):>8.2f} {r.skipped:>7d}", flush=True)
+              f"{r.admitted / max(r.steps, 1):>8.2f} {r.skipped:>7d} {r.prefill_seconds:>8.1f} "
+              f"{cell['target-only'].decode_seconds / r.decode_seconds:>8.2f}", flush=True)
     av = cell["AV"]
     share = av.planning_seconds / av.seconds if av.seconds else float("nan")
     print(f"{'':<12} AV planner + estimator + cost model: {1e3 * av.planning_seconds / max(av.steps, 1):.2f} ms "
@@ -268,6 +286,8 @@ def main() -> None:
     parser.add_argument("--av-k", type=int, default=8, help="AV's num_speculative_tokens (the deepest it drafts)")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--av-variant", action="append", default=[], metavar="FIELD=VALUE[,FIELD=VALUE]",
+                        help="also run AV with these AdaptiveConfig fields changed (repeatable)")
     parser.add_argument("--plot", default=None, help="write the bar chart here (PNG)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -282,20 +302,22 @@ def main() -> None:
     key = profile_key(f"target default | drafter default | {args.dtype}")
     profile = load_or_profile(probe.verifier, probe.drafter, key, packaged.cache_root() / PROFILE_FILE,
                               max(concurrencies) * (args.av_k + 1), max(concurrencies))
-    methods = [("target-only", 0, False)] + [(f"static K={k}", k, False) for k in ks] + [("AV", args.av_k, True)]
-    turns = [methods[0], methods[-1]] + methods[1:-1]  # target-only and AV adjacent in either order
+    variants = [(f"AV {v}", args.av_k, True, _adaptive_config(parser, v)) for v in args.av_variant]
+    methods = ([("target-only", 0, False, AdaptiveConfig())] + [(f"static K={k}", k, False, AdaptiveConfig()) for k in ks]
+               + [("AV", args.av_k, True, AdaptiveConfig())] + variants)
+    turns = [methods[0], methods[len(ks) + 1]] + variants + methods[1:len(ks) + 1]  # target-only and AV adjacent
     cpu = cpu_model()
     print(f"packaged pair, {args.dtype}, {torch.get_num_threads()} threads, {cpu}; {args.requests} requests x "
           f"{args.max_tokens} tokens per cell (EOS ignored), temperature 0.7, top-k 20, top-p 0.8")
-    for name, k, adaptive in methods:  # warm-up: first-call allocations, kernel plans
-        run(target, drafter, name, k, adaptive, [encode_prompt(target.tokenizer, "Hi")], 8, 1, profile)
+    for name, k, adaptive, config in methods:  # warm-up: first-call allocations, kernel plans
+        run(target, drafter, name, k, adaptive, [encode_prompt(target.tokenizer, "Hi")], 8, 1, profile, config)
     workloads = {w: [encode_prompt(target.tokenizer, messages=p.chat()) for p in load_workload(w)[: args.requests]]
                  for w in args.workloads.split(",")}
     longest = max(len(p) for prompts in workloads.values() for p in prompts)
     for model in (target.model, drafter.model):  # a prefill of C prompts at once, at the most
         warm_thread_policy(model, max(concurrencies) * longest + max(concurrencies) * (args.av_k + 1))
     print(f"{'work':<6} {'conc':>4}  {'method':<12} {'tok/s':>8} {'vs T-o':>8} {'vs best':>8} {'vs orac':>8} "
-          f"{'tok/step':>8} {'drft/st':>8} {'verf/st':>8} {'skipped':>7}")
+          f"{'tok/step':>8} {'drft/st':>8} {'verf/st':>8} {'skipped':>7} {'prefill':>8} {'dec/T-o':>8}")
     results: dict[tuple[str, int], dict[str, Run]] = {}
     turn = 0
     for workload, prompts in workloads.items():
@@ -304,16 +326,31 @@ def main() -> None:
             for _ in range(args.rounds):
                 order = turns if turn % 2 == 0 else turns[::-1]
                 turn += 1
-                for name, k, adaptive in order:
-                    r = run(target, drafter, name, k, adaptive, prompts, args.max_tokens, concurrency, profile)
+                for name, k, adaptive, config in order:
+                    r = run(target, drafter, name, k, adaptive, prompts, args.max_tokens, concurrency, profile, config)
                     cell[name] = cell[name].merge(r) if name in cell else r
-            ordered = {name: cell[name] for name, _, _ in methods}
+            ordered = {name: cell[name] for name, *_ in methods}
             cell = ordered | ({"oracle": oracle(cell["static K=8"], profile)} if ks else {})
             results[(workload, concurrency)] = cell
             print_cell(workload, concurrency, cell)
     if args.plot:
         plot(results, args.plot)
         print(f"plot: {args.plot}")
+
+
+def _adaptive_config(parser: argparse.ArgumentParser, variant: str) -> AdaptiveConfig:
+    """--av-variant "probe_share=0.01,min_speedup=1.1" -> the default AdaptiveConfig with those fields."""
+    types = {f.name: type(getattr(AdaptiveConfig(), f.name)) for f in fields(AdaptiveConfig)}
+    changes = {}
+    for item in variant.split(","):
+        name, _, value = item.partition("=")
+        if name not in types or not value:
+            parser.error(f"--av-variant {variant!r}: {item!r} is not FIELD=VALUE with FIELD one of {sorted(types)}")
+        changes[name] = types[name](value)
+    try:
+        return dataclasses.replace(AdaptiveConfig(), **changes)
+    except ValueError as e:
+        parser.error(f"--av-variant {variant!r}: {e}")
 
 
 if __name__ == "__main__":

@@ -245,7 +245,8 @@ class Engine:
             outputs.append(StepOutput(request.request_id, kept, request.text, request.text[shown:],
                                       request.finished, request.finish_reason, request.error,
                                       _kept_logprobs(request, kept)))
-        self._retire(self.scheduler.retire())
+        self._retire([r for r in batch if r.finished])  # freed before they stop counting as live
+        self.scheduler.retire()
         self.stats.record(record, emitted, clock.times().total)
         return outputs
 
@@ -260,11 +261,12 @@ class Engine:
         """Finish the requests aborted since the last step (the step boundary) and free them."""
         ended = []
         while self._aborts:
-            request = self.scheduler.remove(self._aborts.popleft())
+            request = self.scheduler.get(self._aborts.popleft())
             if request is None:
                 continue
             request.abort()
-            self._retire([request])
+            self._retire([request])  # its caches are freed before it stops counting as live
+            self.scheduler.remove(request.request_id)
             ended.append(StepOutput(request.request_id, [], request.text, "", True, request.finish_reason,
                                     request.error))
         return ended

@@ -10,10 +10,16 @@ of the packaged target took 5.3x its quiet time with 2 threads and 1.4x with 1 t
 (docs/quantized.md). Which count wins depends on the load, which changes while a server runs, so
 it is measured, not guessed: forwards are grouped by row count on a doubling scale (1, 2, 3-4,
 5-8, ..., which differ in how well they split), each group runs the count with the lowest recent
-mean time per row (an exponential average over its forwards), and every `explore_every`-th
-forward of a group runs another count,
-so a count that became faster (the other process stopped) is found again: an exploring
-forward's time replaces that count's stale mean. The first forwards of a group try each count
+mean time per row (an exponential average over its forwards), and now and then a forward of a
+group runs the next best count, so a count that became faster (the other process stopped) is
+found again: an exploring forward's time replaces that count's stale mean. Exploring is paid in
+time, not counted in forwards: a group explores once the time it has run since its last
+exploring forward, times `explore_share`, covers what exploring is predicted to cost (its rows
+times the difference of the two means per row, at most one more forward of the best count, since
+a mean left from a contended spell may be far too high). One exploring forward in 32, the rule
+before, cost a 2-core machine a 21-s stall once per 32 prefills of 4 code prompts (560 rows: 21 s
+on 2 threads, 42 s on one), and put that stall on whichever benchmark run it fell in; decode-size
+forwards, whose counts differ by a few ms, still explore every second or so. The first forwards of a group try each count
 twice, and the second time starts its mean (a first forward at a new row count runs cold: taken
 as the mean, it kept 16-row forwards on one thread at 1.7x the two-thread time). Doubling groups,
 compared per row, so that a group's counts are measured on forwards of like size: with one group
@@ -44,19 +50,19 @@ _WARMUP = 2  # forwards each count runs first; the last of them starts its mean 
 class _Group:
     mean_s: dict[int, float] = field(default_factory=dict)  # thread count -> recent mean seconds per row
     samples: dict[int, int] = field(default_factory=dict)  # thread count -> forwards recorded with it
-    calls: int = 0
+    since_explore: float = 0.0  # seconds of this group's forwards since its last exploring forward
     exploring: int | None = None  # the count an exploring forward runs, until it is recorded
 
 
 class ThreadChoice:
     """Per row-count group, the thread count with the lowest recent forward time (see module doc)."""
 
-    def __init__(self, explore_every: int = 32, decay: float = 0.7) -> None:
-        if explore_every < 2:
-            raise ValueError(f"explore_every must be >= 2, got {explore_every}")
+    def __init__(self, explore_share: float = 0.02, decay: float = 0.7) -> None:
+        if not 0.0 <= explore_share < 1.0:
+            raise ValueError(f"explore_share must be in [0, 1) (0: never explore), got {explore_share}")
         if not 0.0 < decay < 1.0:
             raise ValueError(f"decay must be in (0, 1), got {decay}")
-        self.explore_every = explore_every
+        self.explore_share = explore_share  # of each group's time, spent running its next best count
         self.decay = decay  # weight of the old mean in each update
         self._groups: dict[int, _Group] = {}  # ceil(log2(rows)) -> its group
 
@@ -86,15 +92,18 @@ class ThreadChoice:
         if untried:
             return untried[0]
         ranked = sorted(candidates, key=group.mean_s.get)
-        if len(ranked) > 1 and group.calls % self.explore_every == self.explore_every - 1:
-            group.exploring = ranked[1]  # now and then the next best, whose mean may be stale
-            return ranked[1]
+        if len(ranked) > 1 and self.explore_share > 0:
+            best, runner_up = group.mean_s[ranked[0]], group.mean_s[ranked[1]]
+            price = rows * min(runner_up - best, best)  # predicted extra seconds of running the next best
+            if group.since_explore * self.explore_share >= price:
+                group.exploring = ranked[1]  # now and then the next best, whose mean may be stale
+                return ranked[1]
         return ranked[0]
 
     def record(self, rows: int, threads: int, seconds: float) -> None:
         group = self._group(rows)
+        group.since_explore = 0.0 if group.exploring == threads else group.since_explore + seconds
         seconds /= max(rows, 1)  # per row: forwards of one group differ in size up to 2x
-        group.calls += 1
         group.samples[threads] = group.samples.get(threads, 0) + 1
         old = group.mean_s.get(threads)
         if group.samples[threads] <= _WARMUP or group.exploring == threads:  # a cold or stale mean is replaced
