@@ -149,6 +149,7 @@ def run(target, drafter, method: str, k: int, adaptive: bool, prompts: list[list
                 result.predicted_seconds += record.plan.predicted.total
                 result.measured_seconds += record.times.total
         engine.step_listeners.append(compare)
+
     def prefill(record: StepRecord) -> None:
         if record.prefill_tokens:
             result.prefill_seconds += record.times.total
@@ -208,7 +209,8 @@ def oracle(k8: Run, profile: CostProfile) -> Run:
         oracle_verified = step.pending + sum(step.accepted)
         predicted_oracle += cost.predict(forwards, oracle_verified, int(oracle_verified * per_token)).total
     seconds = k8.seconds * predicted_oracle / predicted_k8 if predicted_k8 else float("nan")
-    return Run("oracle", k8.tokens, seconds, k8.steps, drafted, drafted)
+    return Run("oracle", k8.tokens, seconds, k8.steps, drafted, drafted,
+               prefill_seconds=k8.prefill_seconds)  # the same prompts prefilled by the same target
 
 
 def goals(cell: dict[str, Run], concurrency: int) -> list[str]:
