@@ -305,8 +305,9 @@ def main() -> None:
     profile = load_or_profile(probe.verifier, probe.drafter, key, packaged.cache_root() / PROFILE_FILE,
                               max(concurrencies) * (args.av_k + 1), max(concurrencies))
     variants = [(f"AV {v}", args.av_k, True, _adaptive_config(parser, v)) for v in args.av_variant]
-    methods = ([("target-only", 0, False, AdaptiveConfig())] + [(f"static K={k}", k, False, AdaptiveConfig()) for k in ks]
-               + [("AV", args.av_k, True, AdaptiveConfig())] + variants)
+    default = AdaptiveConfig()
+    methods = ([("target-only", 0, False, default)] + [(f"static K={k}", k, False, default) for k in ks]
+               + [("AV", args.av_k, True, default)] + variants)
     turns = [methods[0], methods[len(ks) + 1]] + variants + methods[1:len(ks) + 1]  # target-only and AV adjacent
     cpu = cpu_model()
     print(f"packaged pair, {args.dtype}, {torch.get_num_threads()} threads, {cpu}; {args.requests} requests x "

@@ -17,11 +17,12 @@ time, not counted in forwards: a group explores once the time it has run since i
 exploring forward, times `explore_share`, covers what exploring is predicted to cost (its rows
 times the difference of the two means per row, at most one more forward of the best count, since
 a mean left from a contended spell may be far too high). One exploring forward in 32, the rule
-before, cost a 2-core machine a 21-s stall once per 32 prefills of 4 code prompts (560 rows: 21 s
-on 2 threads, 42 s on one), and put that stall on whichever benchmark run it fell in; decode-size
-forwards, whose counts differ by a few ms, still explore every second or so. The first forwards of a group try each count
-twice, and the second time starts its mean (a first forward at a new row count runs cold: taken
-as the mean, it kept 16-row forwards on one thread at 1.7x the two-thread time). Doubling groups,
+before, cost a 2-core machine a stall of up to 21 s once per 32 prefills of 4 code prompts (560
+rows: about 21 s on 2 threads, up to twice that on one), and put it on whichever benchmark run it
+fell in; decode-size forwards, whose counts differ by a few ms, still explore every second or so.
+The first forwards of a group try each count twice, and the second time starts its mean (a first
+forward at a new row count runs cold: taken as the mean, it kept 16-row forwards on one thread at
+1.7x the two-thread time). Doubling groups,
 compared per row, so that a group's counts are measured on forwards of like size: with one group
 for 9+ rows, a speculative step's 12-token verify and a 200-token prefill were compared as if
 alike, and prefills ran on the count the verifies had made look fast (1.5-2x their time on the

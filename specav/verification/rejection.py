@@ -56,7 +56,8 @@ RESIDUAL_EPS = 1e-6  # residual mass below which the recovered token is drawn fr
 def rejection_sample(
     draft_token_ids: torch.Tensor,  # [S] int64, admitted draft tokens of all requests, concatenated
     draft_probs: TokenProbs | torch.Tensor,  # S rows: q_i of those slots (processed); a tensor is [S, V]
-    target_probs: TokenProbs | torch.Tensor,  # S + B rows: p_i (processed); request b: k_b slot rows, then its bonus row
+    target_probs: TokenProbs | torch.Tensor,  # S + B rows: p_i (processed); request b: k_b slot rows,
+    #                                           then its bonus row
     admitted: Ragged,  # k_b admitted slots per request (may be 0) and their offsets d_b
     generators: Sequence[torch.Generator],  # [B], one per request
 ) -> AcceptResult:
@@ -96,10 +97,10 @@ def _last_token_weights(q: TokenProbs, p: TokenProbs, num_accepted: torch.Tensor
     p_last = p.rows(starts + torch.arange(len(admitted)) + num_accepted)  # p at the stop row (d_b + b + n_b)
     if not bool(rejected.any()):
         return p_last
-    at_q = torch.zeros_like(p_last.probs) if p_last.ids is not None else torch.zeros(len(p_last), p.vocab)
+    at_q = torch.zeros_like(p_last.probs)  # q on p's candidates (or on every token where p is dense)
     rows = rejected.nonzero().flatten()
     q_rejected = q.rows((starts + num_accepted)[rows])  # q at the rejected slot
-    at_q[rows] = q_rejected.lookup(None if p_last.ids is None else p_last.ids[rows])  # q on p's candidates
+    at_q[rows] = q_rejected.lookup(None if p_last.ids is None else p_last.ids[rows])
     return TokenProbs(_residual_weights(p_last.probs, at_q), p_last.ids, p.vocab)
 
 
@@ -114,7 +115,8 @@ def rejection_sample_reference(
     draft_probs, target_probs = TokenProbs.of(draft_probs).to_dense(), TokenProbs.of(target_probs).to_dense()
     counts = _check_inputs(draft_token_ids, TokenProbs.dense(draft_probs), TokenProbs.dense(target_probs),
                            admitted, generators)
-    uniforms = [torch.rand(k, generator=g, dtype=torch.float64) for k, g in zip(counts, generators)]  # draw order, phase 1
+    uniforms = [torch.rand(k, generator=g, dtype=torch.float64)
+                for k, g in zip(counts, generators)]  # draw order, phase 1
     num_accepted, output_tokens = [], []
     d = 0  # first draft row of request b; its first target row is d + b
     for b, k in enumerate(counts):

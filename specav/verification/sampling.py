@@ -155,7 +155,8 @@ def processed_distributions(
         else:  # a tie at the k-th value: those rows go dense
             keep = untied.tolist()
             dense_rows += [r for r, u in zip(rows, keep) if not u]
-            parts.append(([r for r, u in zip(rows, keep) if u], TokenProbs.candidates(ids[untied], part[untied], vocab)))
+            parts.append(([r for r, u in zip(rows, keep) if u],
+                          TokenProbs.candidates(ids[untied], part[untied], vocab)))
     if not dense_rows:
         if len(parts) == 1:
             return parts[0][1]  # the usual batch
