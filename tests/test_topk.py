@@ -9,7 +9,7 @@ from hypothesis import given, settings, strategies as st
 
 from specav import topk
 from specav.models import native
-from specav.topk import scaled_top_k, torch_scaled_top_k
+from specav.topk import scan_rows, torch_scaled_top_k
 
 
 
@@ -67,14 +67,17 @@ def test_native_top_k_equals_torch_on_any_shape(rows, v, data):
     same_as_torch(native.ops(), x, t, k)
 
 
-def test_scaled_top_k_refuses_k_outside_the_row_and_falls_back_without_native(monkeypatch):
+def test_scan_rows_refuses_k_outside_the_row_and_falls_back_without_native(monkeypatch):
     x = torch.randn(2, 10)
     with pytest.raises(ValueError, match="k = 11"):
-        scaled_top_k(x, torch.ones(2), 11)
+        scan_rows(x, torch.ones(2), 11)
+    with pytest.raises(ValueError, match="V >= 2"):
+        scan_rows(x[:, :1], torch.ones(2), 1, tails=True)
     monkeypatch.setattr(topk, "_native_ops", lambda: None)
-    values, _, at_least = scaled_top_k(x, torch.tensor([2.0, 0.0]), 3)
-    assert torch.equal(values, torch_scaled_top_k(x, torch.tensor([2.0, 0.0]), 3)[0])
-    assert at_least.tolist() == [3, 3]
+    scan = scan_rows(x, torch.tensor([2.0, 0.0]), 3, tails=True)
+    assert torch.equal(scan.values, torch_scaled_top_k(x, torch.tensor([2.0, 0.0]), 3)[0])
+    assert scan.at_least.tolist() == [3, 3] and scan.bad.tolist() == [False, False]
+    assert scan.tails.tail.dtype == torch.float64 and bool((scan.tails.gap <= 0).all())
 
 
 def tail_reference(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -136,3 +139,84 @@ def test_top_two_tail_falls_back_to_torch_without_native(monkeypatch):
     torch.testing.assert_close(moment, ref_moment, rtol=1e-5, atol=0)
     with pytest.raises(ValueError, match="V >= 2"):
         topk.top_two_tail(torch.zeros(2, 1))
+
+
+def same_scan(ops, x: torch.Tensor, t: torch.Tensor, k: int) -> None:
+    """The native scan against torch's, with and without tails: the same top k and tie counts bit
+    for bit, the same bad rows, tails to float32 rounding (as top_two_tail's)."""
+    for tails in (False, True):
+        values, ids, at_least, bad, second, tail, moment = ops.scan_rows(x, t, k, tails)
+        ref = topk.torch_scan_rows(x, t, k, tails)
+        assert torch.equal(bad, ref.bad)
+        good = ~bad
+        assert torch.equal(values[good], ref.values[good]) and torch.equal(at_least[good], ref.at_least[good])
+        scaled = x / torch.where(t > 0, t, torch.ones_like(t))[:, None]
+        assert torch.equal(scaled.gather(1, ids)[good], values[good])
+        if tails:
+            assert torch.equal((second - values[:, 0])[good], ref.tails.gap[good])
+            torch.testing.assert_close(tail[good], ref.tails.tail[good], rtol=1e-5, atol=1e-33)
+            torch.testing.assert_close(moment[good], ref.tails.moment[good], rtol=1e-5, atol=1e-31)
+        else:
+            assert second.numel() == tail.numel() == moment.numel() == 0
+
+
+def test_native_scan_on_vocabulary_rows_with_bad_rows(native_ops):
+    """Rows cut into chunks: the maximum, the k-th value and its ties on either side of a cut; rows
+    without a distribution flagged and the others untouched by them."""
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(7, 151_936, generator=g) * 3
+    x[1, 38_143:38_145] = 30.0  # a tie for the maximum across the first cut (V / 4 rounded up to 256: 38144)
+    x[2, 5] = float("nan")
+    x[3, 100_000] = float("inf")
+    x[4, :] = -float("inf")
+    x[5, 151_935] = 25.0  # the maximum in the scalar tail of the last chunk
+    x[6, :140_000] = -float("inf")
+    t = torch.tensor([0.7, 1.0, 0.7, 1.0, 1.0, 0.0, 1.3])
+    for k in (1, 2, 20):
+        same_scan(native_ops, x, t, k)
+    bad = native_ops.scan_rows(x, t, 20, True)[3]
+    assert bad.tolist() == [False, False, True, True, True, False, False]
+    ids = native_ops.scan_rows(x, t, 2, False)[1]
+    assert ids[1].tolist() == [38_143, 38_144] and ids[5, 0] == 151_935
+
+
+@settings(max_examples=60, deadline=None)
+@given(rows=st.integers(1, 4), v=st.integers(2, 3000), data=st.data())
+def test_native_scan_on_any_shape(rows, v, data):
+    """Lengths across the chunk cuts and the vector widths, ties, any k."""
+    if not native.available():
+        pytest.skip(native.unavailable_reason())
+    k = data.draw(st.integers(1, min(v, 64)))
+    g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31 - 1)))
+    x = torch.randn(rows, v, generator=g) * data.draw(st.sampled_from([0.1, 3.0, 30.0]))
+    if data.draw(st.booleans()):
+        x = (x * 2).round() / 2  # ties
+    t = torch.tensor(data.draw(st.lists(st.sampled_from([0.0, 0.5, 1.0, 2.0]), min_size=rows, max_size=rows)))
+    same_scan(native.ops(), x, t, k)
+
+
+def test_native_candidate_probs_agree_with_torch(native_ops):
+    """softmax and nucleus over the candidates to float32 rounding, the same kept tokens, ascending ids."""
+    g = torch.Generator().manual_seed(5)
+    for k in (1, 2, 5, 20, 64):
+        x = torch.randn(40, 1000, generator=g) * 2
+        x[::4] = (x[::4] * 2).round() / 2  # ties, inside the nucleus and at its boundary
+        values, ids, _ = native_ops.scaled_top_k(x, torch.full((40,), 0.7), k)
+        top_p = torch.rand(40, generator=g).clamp(min=0.05)
+        top_p[::3] = 1.0
+        got_ids, got = native_ops.candidate_probs(values, ids, top_p)
+        ref_ids, ref = topk.torch_candidate_probs(values, ids, top_p)
+        assert torch.equal(got_ids, ref_ids) and bool((got_ids[:, 1:] > got_ids[:, :-1]).all())
+        assert torch.equal(got > 0, ref > 0)
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-7)
+
+
+def test_candidate_probs_nucleus_keeps_ties_and_one_token():
+    values = torch.tensor([[2.0, 1.0, 1.0, 0.0], [9.0, 0.0, -1.0, -2.0]])
+    ids = torch.tensor([[8, 3, 5, 1], [4, 2, 0, 7]])
+    for fn in (topk.candidate_probs, topk.torch_candidate_probs):
+        got_ids, got = fn(values, ids, torch.tensor([0.75, 0.5]))
+        assert got_ids.tolist() == [[1, 3, 5, 8], [0, 2, 4, 7]]
+        e = torch.tensor([1.0, 1.0]).exp().tolist()  # the two tied at 1.0 both stay, the 0.0 goes
+        assert got[0].tolist() == pytest.approx([0.0, 1 / (2 + e[0]), 1 / (2 + e[0]), e[0] / (2 + e[0])])
+        assert got[1].tolist() == pytest.approx([0.0, 0.0, 1.0, 0.0])  # at least the most probable token

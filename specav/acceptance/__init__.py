@@ -15,6 +15,7 @@ from specav.acceptance.features import (
     SlotFeatures,
     compute_slot_features,
     entropy,
+    features_from_tails,
     logit_q_max,
     q_max,
     q_sampled,
@@ -26,6 +27,6 @@ from specav.acceptance.scorer import Scorer, make_scorer
 __all__ = [
     "FEATURES", "FeatureSpec", "LossyFeatureError", "NewtonStep", "OnlineAcceptanceEstimator",
     "RefitOutcome", "RefitResult", "Scorer", "SlotFeatures", "compute_slot_features", "entropy",
-    "logit_q_max", "make_scorer", "newton_step", "q_max", "q_sampled", "require_lossless",
+    "features_from_tails", "logit_q_max", "make_scorer", "newton_step", "q_max", "q_sampled", "require_lossless",
     "survival", "top2_margin",
 ]

@@ -27,10 +27,11 @@ import math
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
 import torch
 
 from specav.token_probs import TokenProbs
-from specav.topk import top_two_tail, torch_top_two_tail
+from specav.topk import Tails, row_tails
 
 DEFAULT_CLAMP = 40.0  # EstimatorConfig.feature_clamp's default
 
@@ -179,40 +180,52 @@ class SlotFeatures:
 
 def compute_slot_features(logits: torch.Tensor, probs: torch.Tensor | TokenProbs, token_ids: torch.Tensor,
                           clamp: float = DEFAULT_CLAMP) -> SlotFeatures:
-    """All features of N slots, in a few passes over the vocabulary (the drafter calls it per slot).
+    """All features of N slots, in a few passes over the vocabulary.
 
     logits: # [N, V] temperature-scaled, untruncated; probs: # [N, V] q_i (truncated), or its N rows
     as a TokenProbs;
     token_ids: # [N] draft tokens, -1 for padding.
 
-    One shared computation gives all four logit features: with m the largest logit and
-    S = sum over the other entries of exp(z - m), q_max = 1 / (1 + S), logit(q_max) = -log S,
-    entropy = log(1 + S) - sum_j exp(z_j - m) (z_j - m) / (1 + S), and the top-2 margin
-    (1 - exp(z_2 - m)) / (1 + S). Only the argmax entry is left out of S, as in logit_q_max.
-    Rows the shared form cannot take (a NaN, a +inf, no finite logit) use the functions above.
+    The four logit features come from the rows' Tails (`features_from_tails`); rows the shared form
+    cannot take (a NaN, a +inf, no finite logit) use the functions above.
     """
     shape = (len(probs), probs.vocab) if isinstance(probs, TokenProbs) else tuple(probs.shape)
     if tuple(logits.shape) != shape:
         raise ValueError(f"logits {tuple(logits.shape)} and probs {shape} must have the same shape [N, V]")
     z = _as_float(logits)
+    features = features_from_tails(row_tails(z), probs, token_ids, clamp)
     special = ~torch.isfinite(z.amax(-1))  # [N]: a NaN, a +inf or no finite logit (amax propagates NaN)
-    if z.dtype == torch.float32 and z.ndim == 2 and z.shape[-1] > 1 and not bool(special.any()):
-        values, _, rest, moment = top_two_tail(z)  # the native passes where built
-    else:
-        values, _, rest, moment = torch_top_two_tail(z)
-    rest, moment = rest.to(z.dtype), moment.to(z.dtype)  # S, sum_j exp(z_j - m) (z_j - m)  # [N]
-    total = 1.0 + rest
-    second = values[..., 1] - values[..., 0]
-    features = SlotFeatures(
-        logit_q_max=(-torch.log(rest)).clamp(-clamp, clamp),
-        q_max=1.0 / total,
-        entropy=torch.log1p(rest) - moment / total,
-        top2_margin=(1.0 - second.exp()) / total,
-        q_sampled=q_sampled(probs, token_ids),
-    )
     if bool(special.any()):
         z_special = logits[special]
         for name, reference in (("logit_q_max", lambda x: logit_q_max(x, clamp)), ("q_max", q_max),
                                 ("entropy", entropy), ("top2_margin", top2_margin)):
             getattr(features, name)[special] = reference(z_special).to(getattr(features, name).dtype)
     return features
+
+
+def features_from_tails(tails: Tails, probs: torch.Tensor | TokenProbs, token_ids: torch.Tensor,
+                        clamp: float = DEFAULT_CLAMP) -> SlotFeatures:
+    """Every feature of N slots from their Tails (the drafter gets them from the scan that samples
+    its slot: sampling.distributions_and_tails) and q_i for q_sampled.
+
+    With m the largest logit and S = sum over the other entries of exp(z - m) (Tails.tail):
+    q_max = 1 / (1 + S), logit(q_max) = -log S, entropy = log(1 + S) - sum_j exp(z_j - m) (z_j - m)
+    / (1 + S), and the top-2 margin (1 - exp(z_2 - m)) / (1 + S). Only the argmax entry is left out
+    of S, as in logit_q_max. Rows whose logits held NaN or +inf are meaningless here.
+    """
+    # In numpy on N values (a dozen torch ops cost ~30 us each in a step, with the caches cold after
+    # a forward; numpy's a few): float64 for float32 inputs, as exact as the float64 sums they read.
+    rest, moment = tails.tail.double().numpy(), tails.moment.double().numpy()  # S, sum_j exp(z_j - m) (z_j - m)
+    gap = tails.gap.double().numpy()
+    total = 1.0 + rest
+    with np.errstate(divide="ignore", invalid="ignore"):  # S = 0 (one finite logit): +clamp; NaN rows stay NaN
+        logit = np.clip(-np.log(rest), -clamp, clamp)
+        entropy_ = np.log1p(rest) - moment / total
+    dtype = tails.gap.dtype
+    return SlotFeatures(
+        logit_q_max=torch.from_numpy(logit).to(dtype),
+        q_max=torch.from_numpy(1.0 / total).to(dtype),
+        entropy=torch.from_numpy(entropy_).to(dtype),
+        top2_margin=torch.from_numpy((1.0 - np.exp(gap)) / total).to(dtype),
+        q_sampled=q_sampled(probs, token_ids),
+    )

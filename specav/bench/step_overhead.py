@@ -1,6 +1,7 @@
 """Benchmark: what an engine step spends outside the two models' forwards.
 
     python -m specav.bench.step_overhead [--batches 1,8] [--k 4] [--tokens 48] [--threads 2] [--vocab-passes both]
+                                         [--calls]
 
 Runs the packaged pair (auto) with static K on chat prompts, temperature 0.7, top-k 20,
 top-p 0.8 (EOS ignored), timing every call of the target's and the drafter's packed forward.
@@ -9,7 +10,8 @@ what is left: the drafter's per-slot work (processed distributions, sampling, fe
 verifier's distributions, and the rest (scoring, planning, rejection sampling, commit).
 `--vocab-passes both` measures each batch twice in turns, with the native passes over vocabulary
 rows (specav/topk.py: the top-k of sampling, the features' top two and softmax tail) and with
-torch's ops in their place, so the two columns come from one run.
+torch's ops in their place, so the two columns come from one run. `--calls` also times the
+per-slot calls inside the step (ms per call, with the caches as each forward leaves them: cold).
 """
 
 from __future__ import annotations
@@ -23,12 +25,14 @@ import torch
 
 from specav import topk
 from specav.config import EngineConfig, SamplingParams, SpeculativeConfig
-from specav.drafting import DraftModelDrafter
+from specav.drafting import DraftModelDrafter, draft_model
 from specav.engine.engine import Engine, eos_token_ids
 from specav.evaluation.workloads import load_workload
 from specav.models import load_checkpoint
 from specav.models.native.probe import cpu_model
 from specav.prompts import encode_prompt
+from specav.verification import sampling
+from specav.verification.sampling_rows import SamplingRows
 
 
 class _ForwardTimer:
@@ -48,7 +52,42 @@ class _ForwardTimer:
         model.forward = forward
 
 
-def measure(target, drafter, batch: int, k: int, tokens: int) -> dict[str, float]:
+# The per-slot calls `--calls` times: label, owner, attribute (where the step looks them up).
+_CALLS = (
+    ("SamplingRows.of (both models)", SamplingRows, "of"),
+    ("drafter: distributions and tails", SamplingRows, "distributions_and_tails"),
+    ("  scan_rows (both models)", sampling, "scan_rows"),
+    ("  candidate_probs (both models)", sampling, "candidate_probs"),
+    ("drafter: sample", draft_model, "sample"),
+    ("drafter: features", DraftModelDrafter, "_features"),
+)
+
+
+@contextlib.contextmanager
+def _timed_calls(seconds: dict[str, float], counts: dict[str, int]):
+    """Adds the wall time and the number of calls of each of _CALLS to seconds / counts."""
+    def timed(label, original):
+        def call(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                seconds[label] = seconds.get(label, 0.0) + time.perf_counter() - start
+                counts[label] = counts.get(label, 0) + 1
+        return call
+
+    with contextlib.ExitStack() as stack:
+        for label, owner, name in _CALLS:
+            original = getattr(owner, name)  # a classmethod comes bound: keep it bound
+            new = staticmethod(timed(label, original)) if isinstance(owner.__dict__.get(name), classmethod) \
+                else timed(label, original)
+            stack.enter_context(mock.patch.object(owner, name, new))
+        yield
+
+
+def measure(target, drafter, batch: int, k: int, tokens: int, calls: dict[str, float] | None = None
+            ) -> dict[str, float]:
+    """ms per decoding step of each part; with `calls`, also ms per call of each of _CALLS into it."""
     spec = SpeculativeConfig(num_speculative_tokens=k)
     engine = Engine(target.model, target.tokenizer, DraftModelDrafter(drafter.model),
                     EngineConfig(speculative=spec, max_batch_size=batch), eos_token_ids(target))
@@ -64,11 +103,16 @@ def measure(target, drafter, batch: int, k: int, tokens: int) -> dict[str, float
     steps = 0
     engine.step_listeners.append(lambda r: (stages.__setitem__("draft", stages["draft"] + r.times.draft),
                                             stages.__setitem__("verify", stages["verify"] + r.times.verify)))
-    while engine.has_work():
-        start = time.perf_counter()
-        engine.step()
-        stages["step"] += time.perf_counter() - start
-        steps += 1
+    seconds: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    with _timed_calls(seconds, counts) if calls is not None else contextlib.nullcontext():
+        while engine.has_work():
+            start = time.perf_counter()
+            engine.step()
+            stages["step"] += time.perf_counter() - start
+            steps += 1
+    if calls is not None:
+        calls.update({label: 1e3 * seconds[label] / counts[label] for label in seconds})
     del target.model.forward, drafter.model.forward  # back to the class's method
     ms = {name: 1e3 * s / steps for name, s in stages.items()}
     ms["target forward"] = 1e3 * target_timer.seconds / steps
@@ -86,6 +130,8 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--calls", action="store_true",
+                        help="also print ms per call of the per-slot calls, timed inside the step")
     parser.add_argument("--vocab-passes", choices=("native", "torch", "both"), default="native",
                         help="the native passes over vocabulary rows (specav/topk.py) or torch's ops in their "
                              "place (both: measured in turns)")
@@ -95,16 +141,21 @@ def main() -> None:
     drafter = load_checkpoint("default", "auto", role="drafter")
     kinds = {"native": ["native"], "torch": ["torch"], "both": ["native", "torch"]}[args.vocab_passes]
     columns = [(b, kind) for b in (int(b) for b in args.batches.split(",")) for kind in kinds]
-    rows = {}
+    rows, calls = {}, {}
     for b, kind in columns:
+        calls[b, kind] = {} if args.calls else None
         with _vocab_passes(kind):
-            rows[b, kind] = measure(target, drafter, b, args.k, args.tokens)
+            rows[b, kind] = measure(target, drafter, b, args.k, args.tokens, calls[b, kind])
     print(f"ms per decoding step, static K={args.k}, {args.tokens} tokens per request, {torch.get_num_threads()} "
           f"threads, temperature 0.7 / top-k 20 / top-p 0.8, {cpu_model()}")
     print(f"{'':<32}" + "".join(f"{f'batch {b} {kind}':>16}" for b, kind in columns))
     for name in ("step", "target forward", "drafter forwards", "drafter outside its forwards",
                  "verifier outside the forward", "rest of the step", "outside the forwards"):
         print(f"{name:<32}" + "".join(f"{rows[c][name]:>16.2f}" for c in columns))
+    if args.calls:
+        print("ms per call, timed inside the step")
+        for label, _, _ in _CALLS:
+            print(f"{label:<32}" + "".join(f"{calls[c].get(label, float('nan')):>16.3f}" for c in columns))
 
 
 def _vocab_passes(kind: str):

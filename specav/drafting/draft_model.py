@@ -22,12 +22,13 @@ from typing import Sequence
 
 import torch
 
-from specav.acceptance.features import compute_slot_features
+from specav.acceptance.features import features_from_tails
 from specav.drafting.base import StopRule, register
 from specav.models.kv_cache import KVCache
 from specav.models.packed import PackedCausalLM
 from specav.request import Request
 from specav.token_probs import TokenProbs
+from specav.topk import Tails
 from specav.types import AcceptResult, DraftBatch, Ragged, attended
 from specav.verification.sampling import sample
 from specav.verification.sampling_rows import SamplingRows
@@ -59,8 +60,9 @@ class DraftModelDrafter:
     def propose(self, requests: Sequence[Request], num_slots: Sequence[int],
                 stop_rule: StopRule | None = None) -> DraftBatch:
         b, k = len(requests), max(num_slots, default=0)
-        token_ids = torch.full((b, k), -1, dtype=torch.int64)  # [B, K]
-        features = {n: torch.full((b, k), float("nan")) for n in FEATURE_NAMES}  # name -> [B, K]
+        drafts: list[list[int]] = [[] for _ in range(b)]  # per request, its draft tokens so far
+        slot_values: list[torch.Tensor] = []  # per forward, its rows' features # [F, A], F = len(FEATURE_NAMES)
+        slot_active: list[list[int]] = []  # per forward, the requests it drafted for
         slot_probs: list[TokenProbs] = []  # per forward, q_i of the requests it drafted for
         slot_rows: list[list[int]] = [[] for _ in range(b)]  # per request, its q_i rows in slot_probs' rows
         slot_hidden: list[list[torch.Tensor]] = [[] for _ in range(b)]
@@ -71,21 +73,20 @@ class DraftModelDrafter:
         for slot in range(k):
             if not active:
                 break
-            feed = [states[i].pending if slot == 0 else [int(token_ids[i, slot - 1])] for i in active]
+            feed = [states[i].pending if slot == 0 else drafts[i][-1:] for i in active]
             forwards.append((sum(len(f) for f in feed),
                              sum(attended(len(f), states[i].cache.length) for f, i in zip(feed, active))))
             out = self.model.forward(feed, [states[i].cache for i in active], [1] * len(active))
-            rows = SamplingRows.of([requests[i] for i in active], [1] * len(active),
-                                   [token_ids[i, :slot].tolist() for i in active], model="drafter")
-            probs = rows.distributions(out.logits)  # A rows
+            rows = SamplingRows.of([requests[i] for i in active], [1] * len(active), [drafts[i] for i in active],
+                                   model="drafter")
+            probs, tails = rows.distributions_and_tails(out.logits)  # A rows
             tokens = sample(probs, rows.generators)  # [A]
-            idx = torch.tensor(active)
-            token_ids[idx, slot] = tokens
-            slot_features = self._features(rows, out.logits, probs, tokens)
-            for name, value in slot_features.items():
-                features[name][idx, slot] = value
+            slot_features = self._features(tails, probs, tokens)
+            slot_values.append(torch.stack([slot_features[n].float() for n in FEATURE_NAMES]))
+            slot_active.append(active)
             slot_probs.append(probs)
-            for j, i in enumerate(active):
+            for j, (i, token) in enumerate(zip(active, tokens.tolist())):
+                drafts[i].append(token)
                 slot_rows[i].append(first_row + j)
                 if self.keep_hidden:
                     slot_hidden[i].append(out.hidden[j])
@@ -102,20 +103,21 @@ class DraftModelDrafter:
         if order != list(range(len(order))):
             probs = probs.rows(torch.tensor(order, dtype=torch.int64))
         flat_hidden = [h for per in slot_hidden for h in per]
-        drafted = [len(per) for per in slot_rows]
-        return DraftBatch(token_ids[:, :max(drafted, default=0)], Ragged.of(drafted), probs,
-                          {n: f[:, :max(drafted, default=0)] for n, f in features.items()},
+        drafted = [len(d) for d in drafts]
+        width = max(drafted, default=0)
+        token_ids = torch.tensor([d + [-1] * (width - len(d)) for d in drafts], dtype=torch.int64).reshape(b, width)
+        return DraftBatch(token_ids, Ragged.of(drafted), probs, _feature_table(slot_values, slot_active, b, width),
                           torch.stack(flat_hidden) if flat_hidden else None, forwards)
 
     def pending_tokens(self, requests: Sequence[Request]) -> list[int]:
         return [len(self._states[r.request_id].pending) if r.request_id in self._states else len(r.prompt_ids)
                 for r in requests]
 
-    def _features(self, rows: SamplingRows, logits: torch.Tensor, probs: TokenProbs,
-                  tokens: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Every logged feature of A slots # [A]: from temperature-scaled, untruncated logits, plus
-        q_sampled (lossy) and q_max after top-k/top-p (both logged for evaluation, never scored)."""
-        f = compute_slot_features(rows.scaled_logits(logits), probs, tokens, self.feature_clamp)
+    def _features(self, tails: Tails, probs: TokenProbs, tokens: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Every logged feature of A slots # [A]: from temperature-scaled, untruncated logits (their
+        Tails, from the scan that gave q_i), plus q_sampled (lossy) and q_max after top-k/top-p (both
+        logged for evaluation, never scored)."""
+        f = features_from_tails(tails, probs, tokens, self.feature_clamp)
         values = {name: getattr(f, name) for name in FEATURE_NAMES if name != "q_max_truncated"}
         values["q_max_truncated"] = probs.max()
         return values
@@ -135,3 +137,15 @@ class DraftModelDrafter:
 
     def release(self, request: Request) -> None:
         self._states.pop(request.request_id, None)
+
+
+def _feature_table(slot_values: list[torch.Tensor], slot_active: list[list[int]], b: int, width: int
+                   ) -> dict[str, torch.Tensor]:
+    """Each feature # [B, width] (NaN where not drafted) from the forwards' [F, A] values: one
+    scatter for the step instead of one per feature and forward."""
+    table = torch.full((len(FEATURE_NAMES), b, width), float("nan"))
+    if slot_values:
+        rows = [i for active in slot_active for i in active]
+        slots = [s for s, active in enumerate(slot_active) for _ in active]
+        table[:, rows, slots] = torch.cat(slot_values, dim=1)
+    return {name: table[f] for f, name in enumerate(FEATURE_NAMES)}

@@ -28,10 +28,11 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from specav.token_probs import TokenProbs
-from specav.topk import scaled_top_k
+from specav.topk import RowScan, Tails, candidate_probs, nucleus_in_sorted, row_tails, scan_rows
 
 
 class NonFiniteLogitsError(ValueError):
@@ -118,20 +119,35 @@ def processed_distributions(
 ) -> TokenProbs:
     """processed_probs as a TokenProbs: the rows as their candidates wherever every row has them.
 
-    Greedy rows are one candidate (the argmax of the raw logits). Rows with
+    Greedy rows are one candidate (the argmax of the raw logits, first on ties). Rows with
     0 < top_k <= _SPARSE_TOP_K (< V) are computed on their k candidates only (softmax and nucleus
-    over k values), which costs one pass over the vocabulary instead of a dozen; a row with a tie
+    over k values), which costs two passes over the vocabulary instead of a dozen; a row with a tie
     at its k-th value beyond k takes the dense path, which keeps all tied tokens. If any row is
     dense, so is the result (the candidates scattered into zeros). Each row's probabilities depend
     on that row alone, so a row's result never depends on the rest of the batch.
     """
-    bad = non_finite_rows(logits)
-    if bool(bad.any()):
-        raise NonFiniteLogitsError(bad.nonzero().flatten().tolist())
+    return _distributions(logits, temperature, top_k, top_p, tails=False)[0]
+
+
+def distributions_and_tails(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+) -> tuple[TokenProbs, Tails]:
+    """processed_distributions and, from the same scan of each row, the Tails of its temperature-
+    scaled, untruncated logits (raw for greedy rows): what the drafter's features read of its slot."""
+    probs, tails = _distributions(logits, temperature, top_k, top_p, tails=True)
+    assert tails is not None
+    return probs, tails
+
+
+def _distributions(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                   tails: bool) -> tuple[TokenProbs, Tails | None]:
     logits32 = logits.float().contiguous()
     n, vocab = logits32.shape
     if n == 0:
-        return TokenProbs.dense(logits32)
+        return TokenProbs.dense(logits32), row_tails(logits32) if tails else None
     temperature, top_k, top_p = temperature.float(), top_k.to(torch.int64), top_p.float()
     # Rows grouped on the host: most batches are one group (every request with the same top_k).
     ks = [0 if t == 0 else k if 0 < k <= min(_SPARSE_TOP_K, vocab - 1) else -1
@@ -140,34 +156,52 @@ def processed_distributions(
     for row, k in enumerate(ks):
         groups.setdefault(k, []).append(row)
     parts: list[tuple[list[int], TokenProbs]] = []  # rows and their candidates
+    tail_parts: list[tuple[list[int], Tails]] = []  # rows and their Tails
+    bad: list[int] = []  # rows without a distribution
     dense_rows = groups.pop(-1, [])
+    if tails and dense_rows:  # rows without a top-k: their Tails on their own
+        index = torch.tensor(dense_rows, dtype=torch.int64)
+        tail_parts.append((dense_rows, row_tails(temperature_logits(logits32[index], temperature[index]))))
     for k, rows in groups.items():
         index = None if len(rows) == n else torch.tensor(rows, dtype=torch.int64)  # None: every row, no copies
+        x = logits32 if index is None else logits32[index]
+        t = temperature if index is None else temperature[index]
+        scan = scan_rows(x, t, max(k, 1), tails=tails and vocab > 1)  # greedy: t = 0 leaves the logits raw
+        bad += [r for r, b in zip(rows, scan.bad.tolist()) if b]
+        if tails:
+            tail_parts.append((rows, scan.tails if scan.tails is not None else row_tails(x)))
         if k == 0:  # greedy: the argmax of the raw logits, first on ties
-            argmax = (logits if index is None else logits[index]).argmax(-1, keepdim=True)
-            parts.append((rows, TokenProbs(torch.ones(argmax.shape), argmax, vocab)))
+            parts.append((rows, TokenProbs(torch.ones(len(rows), 1), scan.ids, vocab)))
             continue
-        ids, part, untied = _top_k_candidate_probs(logits32 if index is None else logits32[index],
-                                                   temperature if index is None else temperature[index], k,
-                                                   top_p if index is None else top_p[index])
+        ids, part, untied = _top_k_candidate_probs(scan, top_p if index is None else top_p[index])
         if bool(untied.all()):
-            parts.append((rows, TokenProbs.candidates(ids, part, vocab)))
+            parts.append((rows, TokenProbs(part, ids, vocab)))
         else:  # a tie at the k-th value: those rows go dense
             keep = untied.tolist()
             dense_rows += [r for r, u in zip(rows, keep) if not u]
-            parts.append(([r for r, u in zip(rows, keep) if u],
-                          TokenProbs.candidates(ids[untied], part[untied], vocab)))
+            parts.append(([r for r, u in zip(rows, keep) if u], TokenProbs(part[untied], ids[untied], vocab)))
+    dense = torch.tensor(sorted(dense_rows), dtype=torch.int64)
+    if dense_rows:
+        bad += dense[non_finite_rows(logits32[dense])].tolist()
+    if bad:
+        raise NonFiniteLogitsError(sorted(set(bad)))
+    gathered = _in_row_order(tail_parts, Tails.cat) if tails else None
     if not dense_rows:
-        if len(parts) == 1:
-            return parts[0][1]  # the usual batch
-        order = torch.tensor([r for rows, _ in parts for r in rows]).argsort()  # candidates of several widths
-        return TokenProbs.cat([part for _, part in parts], vocab).rows(order)
+        return _in_row_order(parts, lambda p: TokenProbs.cat(p, vocab)), gathered
     probs = torch.zeros_like(logits32)
     for rows, part in parts:
         probs[rows] = part.to_dense()
-    rows = torch.tensor(sorted(dense_rows), dtype=torch.int64)
-    probs[rows] = _dense_probs(temperature_logits(logits32[rows], temperature[rows]), top_k[rows], top_p[rows])
-    return TokenProbs.dense(probs)
+    scaled = temperature_logits(logits32[dense], temperature[dense])
+    probs[dense] = _dense_probs(scaled, top_k[dense], top_p[dense])
+    return TokenProbs.dense(probs), gathered
+
+
+def _in_row_order(parts: list, cat):
+    """The parts' rows (each part: its rows and a value of them) as one value in row order."""
+    if len(parts) == 1:
+        return parts[0][1]  # the usual batch: one group, every row in order
+    order = torch.tensor([r for rows, _ in parts for r in rows]).argsort()
+    return cat([part for _, part in parts]).rows(order)
 
 
 _SPARSE_TOP_K = 1024  # rows with 0 < top_k <= this are computed on their top-k candidates
@@ -178,23 +212,16 @@ def _dense_probs(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor)
     return _apply_top_p(torch.softmax(_apply_top_k(scaled, top_k), dim=-1), top_p)
 
 
-def _top_k_candidate_probs(logits: torch.Tensor, temperature: torch.Tensor, k: int,
-                           top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """processed_probs of rows sharing one top_k = k, from their k largest scaled logits only.
+def _top_k_candidate_probs(scan: RowScan, top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """processed_probs of rows sharing one top_k = k, from their scan's k largest scaled logits only.
 
-    logits: # [n, V] raw float32; temperature, top_p: # [n]. Returns the candidates' token ids and
-    probabilities (# [n, k] each; scatter them into zeros for the rows) and which rows they hold
-    (# [n] bool): False where a token beyond the k largest ties with the k-th (the dense path keeps
-    every tied token) or where fewer than k logits are finite.
+    top_p: # [n]. Returns the candidates' ids in ascending order and their probabilities (# [n, k]
+    each; scatter them into zeros for the rows), and which rows they hold (# [n] bool): False where
+    a token beyond the k largest ties with the k-th (the dense path keeps every tied token) or
+    where fewer than k logits are finite.
     """
-    values, index, at_least = scaled_top_k(logits, temperature, k)  # [n, k] descending, [n, k], [n]
-    probs = torch.softmax(values, dim=-1)  # [n, k]
-    nucleus = top_p < 1  # [n]
-    if bool(nucleus.any()):
-        boundary, _ = _boundary_in_sorted(probs, top_p.double())
-        sub = probs * ((probs >= boundary) & (probs > 0))
-        probs = torch.where(nucleus[:, None], sub / sub.sum(-1, keepdim=True), probs)
-    return index, probs, at_least == k
+    ids, probs = candidate_probs(scan.values, scan.ids, top_p)
+    return ids, probs, scan.at_least == scan.values.shape[1]
 
 
 def sample(probs: torch.Tensor | TokenProbs, generators: Sequence[torch.Generator]) -> torch.Tensor:
@@ -252,18 +279,20 @@ def sample(probs: torch.Tensor | TokenProbs, generators: Sequence[torch.Generato
 
 
 def _sample_candidates(probs: TokenProbs, generators: Sequence[torch.Generator]) -> torch.Tensor:
-    """`sample` of rows carried as candidates: the inverse CDF over each row's W candidates."""
-    weights = probs.probs.double()
-    cumulative = weights.cumsum(-1)  # [N, W]
+    """`sample` of rows carried as candidates: the inverse CDF over each row's W candidates, in numpy
+    (N x W values: numpy's ops cost a few us where torch's cost tens in a step)."""
+    weights = probs.probs.double().numpy()  # [N, W]
+    cumulative = weights.cumsum(-1)  # sequential, as torch's float64 cumsum
     totals = cumulative[:, -1]
-    if not (torch.isfinite(totals).all() and (totals > 0).all() and probs.probs.min() >= 0):
+    if not (np.isfinite(totals).all() and (totals > 0).all() and (weights >= 0).all()):
         raise ValueError("sample: every row needs finite, non-negative weights with a positive sum")
-    u = _uniforms(generators)
-    offset = torch.searchsorted(cumulative, (u * totals)[:, None], right=True)[:, 0]  # [N]
+    u = np.array([torch.rand(1, generator=g, dtype=torch.float64).item() for g in generators])  # row order
+    offset = (cumulative <= (u * totals)[:, None]).sum(-1)  # searchsorted(right): entries <= the threshold
     short = offset >= weights.shape[1]  # u * total rounded up to the total: the last weighted candidate
-    if bool(short.any()):
-        offset = torch.where(short, _last_positive(weights), offset)
-    return probs.ids.gather(1, offset[:, None]).squeeze(1)
+    if short.any():
+        last = weights.shape[1] - 1 - (weights[:, ::-1] > 0).argmax(-1)
+        offset = np.where(short, last, offset)
+    return probs.ids.gather(1, torch.from_numpy(offset)[:, None]).squeeze(1)
 
 
 def _uniforms(generators: Sequence[torch.Generator]) -> torch.Tensor:
@@ -330,17 +359,9 @@ def _nucleus_boundary(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     rows pay for a full sort. Both paths see the same leading values, so they agree exactly.
     """
     desc = probs.topk(min(_TOP_P_CANDIDATES, probs.shape[-1]), dim=-1).values
-    boundary, reached = _boundary_in_sorted(desc, top_p)
+    boundary, reached = nucleus_in_sorted(desc, top_p)
     short = (~reached).nonzero().flatten()
     if short.numel():
         desc = probs[short].sort(dim=-1, descending=True).values
-        boundary[short] = _boundary_in_sorted(desc, top_p[short])[0]
+        boundary[short] = nucleus_in_sorted(desc, top_p[short])[0]
     return boundary
-
-
-def _boundary_in_sorted(desc: torch.Tensor, top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Nucleus boundary within descending probs (# [n, m]) and whether their mass reaches top_p (# [n])."""
-    cumulative = desc.double().cumsum(-1)
-    mass_before = cumulative - desc.double()  # mass strictly above each rank
-    num_kept = (mass_before < top_p[:, None]).sum(-1).clamp(min=1)
-    return desc.gather(1, (num_kept - 1)[:, None]), cumulative[:, -1] >= top_p

@@ -33,8 +33,9 @@ import torch
 
 from specav.request import Request
 from specav.token_probs import TokenProbs
-from specav.verification.sampling import (NonFiniteLogitsError, apply_logit_bias, apply_penalties,
-                                          processed_distributions, temperature_logits)
+from specav.topk import Tails
+from specav.verification import sampling
+from specav.verification.sampling import NonFiniteLogitsError, apply_logit_bias, apply_penalties
 
 log = logging.getLogger("specav")
 
@@ -69,18 +70,26 @@ class SamplingRows:
 
     def distributions(self, logits: torch.Tensor) -> TokenProbs:
         """logits # [N, V] -> processed distributions, N rows (rows of failed requests: uniform)."""
+        return self._distributions(logits, tails=False)[0]
+
+    def distributions_and_tails(self, logits: torch.Tensor) -> tuple[TokenProbs, Tails]:
+        """distributions and, from the same scan, the Tails of the transformed, temperature-scaled,
+        untruncated logits (what the drafter's features read; a failed request's rows: the uniform row's)."""
+        probs, tails = self._distributions(logits, tails=True)
+        assert tails is not None
+        return probs, tails
+
+    def _distributions(self, logits: torch.Tensor, tails: bool) -> tuple[TokenProbs, Tails | None]:
         if self.model == "target":
             self._keep_logprobs(logits)
         transformed = self.transformed(logits)
+        process = (sampling.distributions_and_tails if tails
+                   else lambda *args: (sampling.processed_distributions(*args), None))
         try:
-            return processed_distributions(transformed, self.temperature, self.top_k, self.top_p)
+            return process(transformed, self.temperature, self.top_k, self.top_p)
         except NonFiniteLogitsError as e:
             transformed = self._fail_rows(transformed, e.rows)
-            return processed_distributions(transformed, self.temperature, self.top_k, self.top_p)
-
-    def scaled_logits(self, logits: torch.Tensor) -> torch.Tensor:
-        """logits # [N, V] -> transformed, temperature-scaled, untruncated logits # [N, V] (for features)."""
-        return temperature_logits(self.transformed(logits), self.temperature)
+            return process(transformed, self.temperature, self.top_k, self.top_p)
 
     # ---- per-request transforms ------------------------------------------------------------
 

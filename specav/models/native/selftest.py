@@ -87,7 +87,7 @@ def check_layers(ops, gen: np.random.Generator) -> None:
 
 
 def check_top_k(ops, gen: np.random.Generator) -> None:
-    from specav.topk import torch_scaled_top_k, torch_top_two_tail
+    from specav.topk import torch_candidate_probs, torch_scaled_top_k, torch_scan_rows, torch_top_two_tail
 
     x = torch.from_numpy(gen.standard_normal((3, 1000)).astype(np.float32))
     x[1, 10:20] = x[1].max() + 1.0  # a tie across the boundary of k = 5
@@ -97,6 +97,16 @@ def check_top_k(ops, gen: np.random.Generator) -> None:
         ref_values, _, ref_at_least = torch_scaled_top_k(x, t, k)
         if not (torch.equal(values, ref_values) and torch.equal(at_least, ref_at_least)):
             raise AssertionError(f"scaled_top_k k = {k}: differs from torch.topk")
+    scan = ops.scan_rows(x, t, 5, True)
+    ref = torch_scan_rows(x, t, 5, True)
+    if not (torch.equal(scan[0], ref.values) and torch.equal(scan[2], ref.at_least) and torch.equal(scan[3], ref.bad)):
+        raise AssertionError("scan_rows: differs from torch's top k")
+    torch.testing.assert_close(scan[5], ref.tails.tail, rtol=1e-5, atol=0)
+    ids, probs = ops.candidate_probs(ref.values, ref.ids, torch.tensor([0.8, 1.0, 0.5]))
+    ref_ids, ref_probs = torch_candidate_probs(ref.values, ref.ids, torch.tensor([0.8, 1.0, 0.5]))
+    if not torch.equal(ids, ref_ids):
+        raise AssertionError("candidate_probs: its ids differ from torch's")
+    torch.testing.assert_close(probs, ref_probs, rtol=1e-5, atol=1e-7)
     values, _, tail, moment = ops.top_two_tail(x)
     ref_values, _, ref_tail, ref_moment = torch_top_two_tail(x)
     if not torch.equal(values, ref_values):
