@@ -180,8 +180,8 @@ def _distributions(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
             keep = untied.tolist()
             dense_rows += [r for r, u in zip(rows, keep) if not u]
             parts.append(([r for r, u in zip(rows, keep) if u], TokenProbs(part[untied], ids[untied], vocab)))
-    dense = torch.tensor(sorted(dense_rows), dtype=torch.int64)
-    if dense_rows:
+    if dense_rows:  # checked here: the scans checked every other row
+        dense = torch.tensor(sorted(dense_rows), dtype=torch.int64)
         bad += dense[non_finite_rows(logits32[dense])].tolist()
     if bad:
         raise NonFiniteLogitsError(sorted(set(bad)))
