@@ -25,7 +25,7 @@ from torch import nn
 
 from specav.models import CheckpointError, load_checkpoint, native
 from specav.models.quant import FusedLinear, QuantizedEmbedding, QuantizedLinear, load_quantized
-from specav.models.quant_choice import DRAFTER_NATIVE_ROWS, FixedRule, KernelPlan, MeasuredChoice, machine_key, plan_from_times
+from specav.models.quant_choice import DRAFTER_NATIVE_ROWS, ONE_ROW_KQUANT_WITHIN, FixedRule, KernelPlan, MeasuredChoice, machine_key, plan_from_times
 from specav.models.quant_formats import GGUFWeight, dequantize, int4_groups, requantize_q4_k
 from specav.models.quant_gguf import read_header
 from specav.models.quant_kernels import KERNELS, KQuantWeight, kquant_matmuls
@@ -301,6 +301,17 @@ def test_plan_keeps_at_most_two_kernels_and_a_second_only_for_real_gains():
     assert len(set(plan_from_times(times).kernels)) == 2
 
 
+def test_plan_runs_kquant_at_one_row_where_it_is_near_the_fastest():
+    """At one row kquant lets a whole layer be one native call, so it runs there when within
+    ONE_ROW_KQUANT_WITHIN of the fastest kernel, unless that would keep a third kernel's copy."""
+    times = {"kquant": [1.2, 4.0, 15.0, 60.0], "int8dyn": [1.0, 3.0, 12.0, 48.0]}
+    assert plan_from_times(times).kernels == ("kquant", "int8dyn", "int8dyn", "int8dyn")
+    times["kquant"][0] = 1.0 * ONE_ROW_KQUANT_WITHIN + 0.01  # too far behind at one row
+    assert plan_from_times(times).kernels == ("int8dyn",) * 4
+    times = {"kquant": [1.2, 9.0, 30.0, 90.0], "int4": [1.0, 9.0, 30.0, 90.0], "int8dyn": [2.0, 1.0, 2.0, 5.0]}
+    assert plan_from_times(times).kernels == ("int4", "int8dyn", "int8dyn", "int8dyn")  # no third copy
+
+
 def test_plan_row_buckets_are_nearest_on_log_scale():
     plan = KernelPlan((1, 4, 16, 64), ("a", "b", "c", "d"))
     assert [plan.kernel_for(t) for t in (1, 2, 3, 7, 8, 9, 31, 33, 1000)] == list("aabbbccdd")
@@ -469,6 +480,56 @@ def test_fused_projections_equal_separate_ones(tmp_path):
     for fused, members in ((attn.qkv_proj, (attn.q_proj, attn.k_proj, attn.v_proj)), (mlp.gate_up_proj, (mlp.gate_proj, mlp.up_proj))):
         for y, member in zip(fused(x), members, strict=True):
             assert torch.equal(y, member(x))
+
+
+def _packed_runs(model, ids: list[int]) -> tuple[list[torch.Tensor], list]:
+    """Forwards of three requests packed several ways (a 19-token prefill, one row, three rows of
+    one each, ragged 1 + 4 + 2 rows): every forward's logits and hidden states, and the caches."""
+    caches = [model.new_cache() for _ in range(3)]
+    plan = [([ids[:9], ids[9:14], ids[14:19]], [2, 1, 3]), ([ids[19:20]], [1]),
+            ([ids[20:21], ids[21:22], ids[22:23]], [1, 1, 1]), ([ids[23:24], ids[24:28], ids[28:30]], [1, 4, 2])]
+    outputs = []
+    for tokens, num_logits in plan:
+        out = model.forward(tokens, caches[:len(tokens)], num_logits)
+        outputs += [out.logits, out.hidden]
+    return outputs, caches
+
+
+@pytest.mark.parametrize("role", ["drafter", "target"])
+def test_whole_layer_call_equals_the_layer_op_by_op(tmp_path, monkeypatch, role):
+    """Where all seven linears of a layer run kquant at the forward's row count (the drafter up to
+    DRAFTER_NATIVE_ROWS rows), the packed forward runs the layer as one native call
+    (native/decoder.cpp): its logits, hidden states and caches equal the op-by-op path's bit for bit,
+    on every packing. A layer with a linear on another kernel at that row count (the drafter's
+    prefill on int8dyn; every layer of this target, whose Q5_0 / Q8_0 linears run on torch's
+    kernels) runs op by op."""
+    import specav.models.quant_choice as choice
+    from specav.models.layer_ops import NativeLayerOps
+
+    if not native.available():
+        pytest.skip(f"no native kernels: {native.unavailable_reason()}")
+    monkeypatch.setattr(choice, "measure", fake_measure)
+    model = load_quantized(write_tiny_gguf(tmp_path / "tiny.gguf"), "auto", tmp_path / "profile.json", role=role)
+    ids = torch.randint(2, VOCAB, (30,), generator=torch.Generator().manual_seed(0)).tolist()
+    calls = []
+    original = NativeLayerOps.decoder_layer
+    monkeypatch.setattr(NativeLayerOps, "decoder_layer", lambda self, *a: calls.append(a[2]) or original(self, *a))
+    whole, whole_caches = _packed_runs(model, ids)
+    fused_layers = list(calls)
+    monkeypatch.setattr(NativeLayerOps, "whole_layer", staticmethod(lambda layer, rows: None))
+    calls.clear()
+    by_op, by_op_caches = _packed_runs(model, ids)
+    assert not calls
+    if role == "drafter":  # all but the 19-row prefill: three forwards of two layers
+        assert fused_layers == [0, 1] * 3
+    else:
+        assert fused_layers == []
+    for a, b in zip(whole, by_op, strict=True):
+        assert torch.equal(a, b)
+    for a, b in zip(whole_caches, by_op_caches, strict=True):
+        assert a.length == b.length
+        assert torch.equal(a.keys[:, :a.length], b.keys[:, :b.length])
+        assert torch.equal(a.values[:, :a.length], b.values[:, :b.length])
 
 
 def test_loader_selects_the_quantized_path_by_dtype(tmp_path):

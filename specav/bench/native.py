@@ -1,7 +1,7 @@
 """Benchmark: the native kernels' variants, the packed forward's verify cost, the drafter against the
 target, and the one-row forward's slowdown with a busy process on one core, all in one run.
 
-    python -m specav.bench.native [--threads 2] [--repeats 7] [--skip kernels,forward,drafter,contention]
+    python -m specav.bench.native [--threads 2] [--repeats 7] [--skip kernels,forward,drafter,layers,contention]
 
 Printed (every figure a ratio of times measured in this run, in turns, on this machine; each
 section ends with how many cores other processes kept busy meanwhile, bench/load.py):
@@ -15,6 +15,9 @@ section ends with how many cores other processes kept busy meanwhile, bench/load
   <= 2x);
 - drafter: the packaged drafter's one-row forward in `auto` (every layer native) relative to the
   target's (goal <= 0.25x), and the share of its output head (151,936 rows);
+- layers: both models' one-row forward with each layer as one native call where its linears all run
+  kquant (layer_ops.NativeLayerOps.whole_layer, native/decoder.cpp) and op by op, in turns, and how
+  many layers ran as one call;
 - contention: the target's one-row forward with a busy process (`while True: pass`) pinned to the
   last core, relative to the quiet --threads-thread forward: with fixed thread counts and with the
   model's own policy (threads.ThreadChoice); the busy process is stopped before the program ends
@@ -24,6 +27,7 @@ section ends with how many cores other processes kept busy meanwhile, bench/load
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import subprocess
@@ -31,12 +35,14 @@ import sys
 import time
 from contextlib import contextmanager
 from typing import Iterator
+from unittest import mock
 
 import torch
 
 from specav.bench.load import foreign_load
 from specav.bench.quantized import time_forward
 from specav.models import load_checkpoint, native, packaged
+from specav.models.layer_ops import NativeLayerOps
 from specav.models.native.probe import cpu_model
 from specav.models.native.variants import VARIANTS
 from specav.models.quant_gguf import read_header
@@ -108,6 +114,31 @@ def forwards(models: dict, rows: tuple[int, ...], repeats: int) -> dict[str, dic
     return {name: {n: statistics.median(t[warmup:]) for n, t in per.items()} for name, per in times.items()}
 
 
+def layer_calls(models: dict, repeats: int) -> None:
+    """One-row forwards with each layer as one native call and op by op, in turns."""
+    gen = torch.Generator().manual_seed(1)
+    warmup = ThreadChoice.warmup_forwards(torch.get_num_threads())
+    print(f"\nlayers: one-row forward, {CONTEXT}-token context, ms (median of {repeats}, in turns)")
+    for name, m in models.items():
+        context = torch.randint(0, m.vocab_size, (CONTEXT,), generator=gen).tolist()
+        cache = m.new_cache(CONTEXT + 1)
+        m.forward([context], [cache], [0])
+        times = {"whole": [], "op by op": []}
+        for i in range(repeats + warmup):
+            for way in (("whole", "op by op") if i % 2 == 0 else ("op by op", "whole")):
+                with _op_by_op() if way == "op by op" else contextlib.nullcontext():
+                    times[way].append(time_forward(m, cache, [int(context[i % CONTEXT])]))
+        whole, by_op = (statistics.median(t[warmup:]) for t in times.values())
+        fused = sum(m.ops.whole_layer(layer, 1) is not None for layer in m.decoder.layers)
+        print(f"  {name}: each layer one call {whole * 1e3:.1f}, op by op {by_op * 1e3:.1f} ({whole / by_op:.2f}x); "
+              f"{fused} of {len(m.decoder.layers)} layers run as one call at one row")
+
+
+def _op_by_op():
+    """Every layer op by op (no whole-layer native call)."""
+    return mock.patch.object(NativeLayerOps, "whole_layer", staticmethod(lambda layer, rows: None))
+
+
 @contextmanager
 def busy_core(core: int) -> Iterator[subprocess.Popen]:
     """A process spinning on `core` (taskset) for the duration; always stopped."""
@@ -172,7 +203,7 @@ def main(argv: list[str] | None = None) -> None:
           f"{variant.name if variant else 'none'} ({native.ops().isa() if variant else native.unavailable_reason()})")
     if "kernels" not in skip:
         kernel_table(args.repeats)
-    if skip >= {"forward", "drafter", "contention"}:
+    if skip >= {"forward", "drafter", "layers", "contention"}:
         return
     target = load_checkpoint("default", "auto", role="target").model
     models = {"target": target}
@@ -196,6 +227,10 @@ def main(argv: list[str] | None = None) -> None:
             print(f"\ndrafter: one-row forward {d * 1e3:.1f} ms = {d / t['target'][1]:.2f}x the target's "
                   f"{t['target'][1] * 1e3:.1f} ms; its output head alone {head_s * 1e3:.1f} ms ({head_s / d:.0%} of "
                   f"it; without it {(d - head_s) / t['target'][1]:.2f}x)")
+        print(f"  ({load})")
+    if "layers" not in skip:
+        with foreign_load() as load:
+            layer_calls(models, args.repeats)
         print(f"  ({load})")
     if "contention" not in skip:
         del models

@@ -11,7 +11,10 @@ between its linear layers, both with transformers' Llama / Qwen2 semantics:
   SiLU-gate fused with its product, and attention straight from each request's cache (no
   padding, no mask). On a decoding row these ops cost microseconds where the torch ops cost
   tens, which is about a quarter of a quantized decoding forward (docs/quantized.md). Where
-  the MLP has gate and up fused into one call (quant.FusedLinear), it uses that call.
+  the MLP has gate and up fused into one call (quant.FusedLinear), it uses that call. Where a
+  layer's seven linears all run kquant at the forward's row count (quant.KQuantLayer), the
+  whole layer is one native call (`whole_layer`, `decoder_layer`; native/decoder.cpp): the same
+  functions in the same order, so the same numbers, without returning to Python between them.
 
 `layer_ops_for(model)` picks the native ops where they apply (float32 activations, SiLU
 gate, head dim a multiple of 8, native kernels built) and the torch ops elsewhere; the two
@@ -82,6 +85,10 @@ class TorchLayerOps:
     def mlp(mlp: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
         return mlp(x)  # transformers' own (a quantized MLP's projections are modules too)
 
+    @staticmethod
+    def whole_layer(layer: torch.nn.Module, rows: int) -> None:
+        return None  # torch ops run op by op
+
 
 class NativeLayerOps:
     """The same arithmetic as `TorchLayerOps` in one native call per operation (float32), from one
@@ -119,6 +126,40 @@ class NativeLayerOps:
         gate_up = getattr(mlp, "gate_up_proj", None)  # quant.FusedLinear, on quantized models
         gate, up = gate_up(x) if gate_up is not None else (mlp.gate_proj(x), mlp.up_proj(x))
         return mlp.down_proj(self.native.silu_mul(gate, up))
+
+    @staticmethod
+    def whole_layer(layer: torch.nn.Module, rows: int):
+        """The layer's linears as the whole-layer call takes them (quant.KQuantLinears) where all of
+        them run kquant at `rows` rows, else None (op by op)."""
+        kquant = getattr(layer, "kquant", None)  # quant.KQuantLayer, on quantized models
+        return None if kquant is None else kquant.at(rows)
+
+    def decoder_layer(self, linears, layer: torch.nn.Module, index: int, h: torch.Tensor, x: torch.Tensor,
+                      rope: tuple[torch.Tensor, torch.Tensor], caches: "LayerCaches", next_norm: torch.nn.Module,
+                      heads: int) -> torch.Tensor:
+        """The whole layer in one native call: h (the residual stream) updated in place, each
+        request's new keys and values written into its cache; returns the next layer's normed input."""
+        post = layer.post_attention_layernorm
+        return self.native.decoder_layer_(
+            h, x, linears.blocks, linears.qtypes, linears.biases, post.weight, post.variance_epsilon,
+            next_norm.weight, next_norm.variance_epsilon, *rope, caches.keys, caches.values, index,
+            caches.cached, caches.lengths, heads, layer.self_attn.scaling)
+
+
+@dataclass(slots=True)
+class LayerCaches:
+    """What the whole-layer call needs of the requests' caches: each one's key and value tensors
+    # [L, capacity, Hkv, D] (room reserved for its new tokens), its filled positions before this
+    forward, its new tokens."""
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    cached: list[int]
+    lengths: list[int]
+
+    @classmethod
+    def of(cls, caches: Sequence, lengths: list[int]) -> "LayerCaches":
+        return cls([c.keys for c in caches], [c.values for c in caches], [c.length for c in caches], lengths)
 
 
 LayerOps = TorchLayerOps | NativeLayerOps

@@ -11,7 +11,9 @@ causally. The weights and the submodules are transformers' own (embedding, norms
 projections, MLP, rotary embedding), so the numbers match transformers' forward, and a
 module swapped for a quantized one is picked up without changes here. The arithmetic
 between the linear layers (norms, rotary, attention, the MLP's gate) comes from
-layer_ops.py: torch ops, or one native call each for float32 activations.
+layer_ops.py: torch ops, or one native call each for float32 activations; where a layer's
+linear layers all run the native k-quant kernel at this row count, the whole layer is one native
+call (the same functions, the same numbers).
 
 Threads: a model on the native kernels runs each forward with the intra-op thread count that
 has been fastest for forwards of its size (threads.py: on shared cores, fewer threads can be
@@ -28,7 +30,7 @@ from typing import Sequence
 import torch
 
 from specav.models.kv_cache import KVCache
-from specav.models.layer_ops import layer_ops_for
+from specav.models.layer_ops import LayerCaches, layer_ops_for
 from specav.models.threads import ThreadChoice
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
@@ -98,9 +100,15 @@ class PackedCausalLM:
         rope = ops.rope_tables(cos[0], sin[0])
         batch = _Batch(caches, lengths, ops.layout([c.length for c in caches], lengths))
         x = ops.norm(layers[0].input_layernorm, h)
+        layer_caches = None  # the caches as the whole-layer call reads them (made at its first use)
         for i, layer in enumerate(layers):  # each norm is fused with the residual add before it
-            h, x = ops.add_norm(h, self._attention(layer.self_attn, x, rope, batch, i), layer.post_attention_layernorm)
             next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.decoder.norm
+            linears = ops.whole_layer(layer, h.shape[0])  # the layer in one native call, where it can run so
+            if linears is not None:
+                layer_caches = layer_caches or LayerCaches.of(caches, lengths)
+                x = ops.decoder_layer(linears, layer, i, h, x, rope, layer_caches, next_norm, self.num_heads)
+                continue
+            h, x = ops.add_norm(h, self._attention(layer.self_attn, x, rope, batch, i), layer.post_attention_layernorm)
             h, x = ops.add_norm(h, ops.mlp(layer.mlp, x), next_norm)
         for cache, n in zip(caches, lengths):
             cache.advance(n)

@@ -21,7 +21,8 @@ embedding is a `QuantizedEmbedding`; the precision modes behind `--dtype q4` and
 - The packed forward and KV caches are unchanged: they call the modules by name. Each layer
   also gets `self_attn.qkv_proj` and `mlp.gate_up_proj` (`FusedLinear`): q/k/v and gate/up
   of one input in one native call where they all run kquant (packed.py and layer_ops.py use
-  them when present).
+  them when present), and `kquant` (`KQuantLayer`): at the row counts where all seven of its
+  linears run kquant, the whole layer runs as one native call (layer_ops.py, native/decoder.cpp).
 - Roles: a drafter in `auto` runs every layer on the native kernel, requantising its Q5_0 /
   Q8_0 weights to Q4_K at load (quant_choice.NativeDrafter); a target keeps the file's weights.
 
@@ -37,7 +38,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -123,6 +124,36 @@ class FusedLinear(nn.Module):
         return [m(x) for m in self._members]
 
 
+class KQuantLayer:
+    """A decoder layer's seven linears (q, k, v, o, gate, up, down) as the arguments of the native
+    whole-layer call (native/decoder.cpp), at the row counts where every one of them runs kquant.
+    Holds no weights of its own: it reads the layer's QuantizedLinears."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        attn, mlp = layer.self_attn, layer.mlp
+        self._linears = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj,
+                         mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+        self._by_rows: dict[int, KQuantLinears | None] = {}  # row count -> its linears (memo, like packed_for's)
+
+    def at(self, num_rows: int) -> KQuantLinears | None:
+        """The seven as the native call takes them where all of them run kquant at num_rows rows, else None."""
+        if num_rows not in self._by_rows:
+            packed = [m.packed_for(num_rows) for m in self._linears]
+            self._by_rows[num_rows] = KQuantLinears([p.blocks for p in packed], [int(p.qtype) for p in packed],
+                                                    [m.bias for m in self._linears]) \
+                if all(isinstance(p, KQuantWeight) for p in packed) else None
+        return self._by_rows[num_rows]
+
+
+@dataclass(frozen=True, slots=True)
+class KQuantLinears:
+    """A layer's q, k, v, o, gate, up and down linears as kquant runs them."""
+
+    blocks: list[torch.Tensor]  # each [N, K / 256 * bytes per block] uint8: the file's blocks
+    qtypes: list[int]  # GGUF type codes (Q4_K, Q6_K)
+    biases: list[torch.Tensor | None]  # [N] float32 or None
+
+
 class QuantizedEmbedding(nn.Module):
     """Token embedding kept as the file's blocks; looked-up rows are dequantised exactly."""
 
@@ -175,6 +206,7 @@ def load_quantized(path: Path, mode: str, profile_path: Path | None = None, role
         attn, mlp = layer.self_attn, layer.mlp  # one call for the projections of one input (packed.py)
         attn.qkv_proj = FusedLinear([attn.q_proj, attn.k_proj, attn.v_proj])
         mlp.gate_up_proj = FusedLinear([mlp.gate_proj, mlp.up_proj])
+        layer.kquant = KQuantLayer(layer)  # the whole layer in one native call where it can (layer_ops.py)
         _return_freed_memory()
     hf.model.norm.weight = files.parameter("output_norm.weight")
     hf.model.embed_tokens = QuantizedEmbedding(header.weight("token_embd.weight"))

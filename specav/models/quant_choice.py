@@ -176,11 +176,19 @@ def policy_for(mode: str, role: str, cache_path: Path | None) -> Policy:
         return NativeDrafter(cache_path)
     return POLICIES[mode](cache_path)
 SECOND_KERNEL_GAIN = 1.1  # a second kernel takes a row count only where it is >10% faster
+ONE_ROW_KQUANT_WITHIN = 1.5  # at one row, kquant runs where it is within this factor of the fastest
 
 
 def plan_from_times(times: dict[str, list[float]]) -> KernelPlan:
     """At most two kernels: the main one (smallest total of times relative to the fastest at
     each row count) and the one second kernel that lowers that total most.
+
+    At one row (decoding, drafting) kquant runs wherever it is within ONE_ROW_KQUANT_WITHIN of the
+    fastest kernel and no third kernel would be kept for it: where all seven linears of a layer
+    run kquant, the layer is one native call (layer_ops.py, native/decoder.cpp), a saving per
+    layer that the per-shape timings do not see (on the AVX2 EPYC, whose one-thread timings put
+    kquant and int8dyn within 1-21% of each other at one row, the target's one-row forward took
+    0.81x the time of the per-shape choice; docs/quantized.md).
 
     times: kernel -> milliseconds at each of ROW_BUCKETS.
     """
@@ -194,7 +202,11 @@ def plan_from_times(times: dict[str, list[float]]) -> KernelPlan:
     plans = [[main] * len(ROW_BUCKETS)] + [
         [alt if times[main][i] > SECOND_KERNEL_GAIN * times[alt][i] else main for i in buckets]
         for alt in times if alt != main]
-    return KernelPlan(ROW_BUCKETS, tuple(min(plans, key=cost)))
+    kernels = min(plans, key=cost)
+    if ("kquant" in times and times["kquant"][0] <= ONE_ROW_KQUANT_WITHIN * fastest[0]
+            and len({*kernels, "kquant"}) <= 2):
+        kernels = ["kquant", *kernels[1:]]
+    return KernelPlan(ROW_BUCKETS, tuple(kernels))
 
 
 def profile_key(weight: GGUFWeight) -> str:

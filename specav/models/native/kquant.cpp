@@ -28,7 +28,7 @@
 // A weight's K may exceed x's width up to the next multiple of 256 (weights requantised from
 // 32-element formats, K = 896, padded with zero weights): x is quantised with zeros past its width.
 
-#include "common.h"
+#include "ops.h"
 
 #include <array>
 #include <type_traits>
@@ -161,6 +161,10 @@ int64_t block_bytes(int64_t qtype) {
   return qtype == kQ4K ? kQ4KBytes : kQ6KBytes;
 }
 
+}  // namespace
+
+namespace specav_native::SPECAV_NS {
+
 std::vector<at::Tensor> kq_matmul(const at::Tensor& x, at::TensorList weights, at::IntArrayRef qtypes,
                                   const c10::List<std::optional<at::Tensor>>& biases) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be a contiguous [T, K] float32 tensor");
@@ -243,6 +247,10 @@ std::vector<at::Tensor> kq_matmul(const at::Tensor& x, at::TensorList weights, a
   return ys;
 }
 
+}  // namespace specav_native::SPECAV_NS
+
+namespace {
+
 // The activation quantisation alone (natural order), so tests can rebuild the kernel's arithmetic exactly.
 std::tuple<at::Tensor, at::Tensor> quantize_activations(const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be a contiguous [T, K] float32 tensor");
@@ -261,6 +269,6 @@ SPECAV_FRAGMENT(m) {
 }
 
 SPECAV_IMPL(m) {
-  m.impl("kq_matmul", &kq_matmul);
+  m.impl("kq_matmul", &specav_native::SPECAV_NS::kq_matmul);
   m.impl("quantize_activations", &quantize_activations);
 }

@@ -17,7 +17,7 @@
 // exp differ), tested against them in tests/test_native_layers.py. Every row's result
 // depends only on that row (and its request's cache): batch-invariant.
 
-#include "common.h"
+#include "ops.h"
 
 #include <algorithm>
 #include <cmath>
@@ -89,6 +89,42 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   return out;
 }
 
+inline float dot(const float* a, const float* b, int64_t d) {  // d: a multiple of 8
+  // Four accumulators: one chain of dependent FMAs would wait on each one's latency.
+  __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+  int64_t i = 0;
+  for (; i + 32 <= d; i += 32)
+    for (int j = 0; j < 4; ++j)
+      acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8 * j), _mm256_loadu_ps(b + i + 8 * j), acc[j]);
+  for (; i < d; i += 8) acc[0] = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc[0]);
+  return hsum(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
+}
+
+// out[0:d] = scale * sum_i p[i] * v[i * stride + 0:d], d a multiple of 8. Columns go in blocks of
+// 64 held in 8 registers over all i (8 independent FMA chains), then blocks of 8.
+void weighted_sum(const float* p, int64_t n, const float* v, int64_t stride, int64_t d, float scale, float* out) {
+  int64_t c = 0;
+  for (; c + 64 <= d; c += 64) {
+    __m256 acc[8];
+    for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n; ++i) {
+      const __m256 pi = _mm256_set1_ps(p[i]);
+      const float* vi = v + i * stride + c;
+      for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(pi, _mm256_loadu_ps(vi + 8 * j), acc[j]);
+    }
+    for (int j = 0; j < 8; ++j) _mm256_storeu_ps(out + c + 8 * j, _mm256_mul_ps(acc[j], _mm256_set1_ps(scale)));
+  }
+  for (; c < d; c += 8) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n; ++i) acc = _mm256_fmadd_ps(_mm256_set1_ps(p[i]), _mm256_loadu_ps(v + i * stride + c), acc);
+    _mm256_storeu_ps(out + c, _mm256_mul_ps(acc, _mm256_set1_ps(scale)));
+  }
+}
+
+}  // namespace
+
+namespace specav_native::SPECAV_NS {
+
 at::Tensor add_rms_norm_(at::Tensor& h, const at::Tensor& y, const at::Tensor& w, double eps) {
   check_rows(h, "h");
   check_rows(y, "y");
@@ -145,38 +181,6 @@ at::Tensor& rope_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
     }
   });
   return x;
-}
-
-inline float dot(const float* a, const float* b, int64_t d) {  // d: a multiple of 8
-  // Four accumulators: one chain of dependent FMAs would wait on each one's latency.
-  __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-  int64_t i = 0;
-  for (; i + 32 <= d; i += 32)
-    for (int j = 0; j < 4; ++j)
-      acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8 * j), _mm256_loadu_ps(b + i + 8 * j), acc[j]);
-  for (; i < d; i += 8) acc[0] = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc[0]);
-  return hsum(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
-}
-
-// out[0:d] = scale * sum_i p[i] * v[i * stride + 0:d], d a multiple of 8. Columns go in blocks of
-// 64 held in 8 registers over all i (8 independent FMA chains), then blocks of 8.
-void weighted_sum(const float* p, int64_t n, const float* v, int64_t stride, int64_t d, float scale, float* out) {
-  int64_t c = 0;
-  for (; c + 64 <= d; c += 64) {
-    __m256 acc[8];
-    for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
-    for (int64_t i = 0; i < n; ++i) {
-      const __m256 pi = _mm256_set1_ps(p[i]);
-      const float* vi = v + i * stride + c;
-      for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(pi, _mm256_loadu_ps(vi + 8 * j), acc[j]);
-    }
-    for (int j = 0; j < 8; ++j) _mm256_storeu_ps(out + c + 8 * j, _mm256_mul_ps(acc[j], _mm256_set1_ps(scale)));
-  }
-  for (; c < d; c += 8) {
-    __m256 acc = _mm256_setzero_ps();
-    for (int64_t i = 0; i < n; ++i) acc = _mm256_fmadd_ps(_mm256_set1_ps(p[i]), _mm256_loadu_ps(v + i * stride + c), acc);
-    _mm256_storeu_ps(out + c, _mm256_mul_ps(acc, _mm256_set1_ps(scale)));
-  }
 }
 
 // q [T, H, D]; keys[b], values[b] [P_b + n_b, Hkv, D] (a request's cache up to its new tokens);
@@ -236,7 +240,7 @@ at::Tensor attention(const at::Tensor& q, at::TensorList keys, at::TensorList va
   return out;
 }
 
-}  // namespace
+}  // namespace specav_native::SPECAV_NS
 
 SPECAV_FRAGMENT(m) {
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
@@ -248,8 +252,8 @@ SPECAV_FRAGMENT(m) {
 
 SPECAV_IMPL(m) {
   m.impl("rms_norm", &rms_norm);
-  m.impl("add_rms_norm_", &add_rms_norm_);
-  m.impl("silu_mul", &silu_mul);
-  m.impl("rope_", &rope_);
-  m.impl("attention", &attention);
+  m.impl("add_rms_norm_", &specav_native::SPECAV_NS::add_rms_norm_);
+  m.impl("silu_mul", &specav_native::SPECAV_NS::silu_mul);
+  m.impl("rope_", &specav_native::SPECAV_NS::rope_);
+  m.impl("attention", &specav_native::SPECAV_NS::attention);
 }

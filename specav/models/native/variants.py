@@ -1,10 +1,10 @@
 """The native kernels' instruction-set variants: what each is built with and what it needs.
 
 Owns: the registry of variants, best first. Each variant compiles the same sources
-(kquant.cpp, quantize.cpp, layers.cpp) with its own compiler flags into its own library and
-op namespace (`torch.ops.<namespace>`), so a process may load several side by side; the row
-kernels of kquant.cpp pick their instruction set from the compiler's macros
-(kquant_avx512.h under AVX-512 VNNI, kquant_avx2.h otherwise).
+(build.SOURCES: kquant.cpp, quantize.cpp, layers.cpp, decoder.cpp, topk.cpp) with its own
+compiler flags into its own library and op namespace (`torch.ops.<namespace>`), so a process
+may load several side by side; the row kernels of kquant.cpp pick their instruction set from
+the compiler's macros (kquant_avx512.h under AVX-512 VNNI, kquant_avx2.h otherwise).
 
 A variant is a candidate on a machine whose CPU reports every flag in `cpu_flags` (Linux's
 /proc/cpuinfo names) and whose OS grants `os_feature` where one is named; the probe

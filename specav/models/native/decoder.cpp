@@ -1,0 +1,96 @@
+// One decoder layer of the packed forward (packed.py) in one call, where every linear layer of it
+// runs kquant at the forward's row count (the drafter up to 8 rows, the target at one row):
+//
+//   q, k, v = kq_matmul(x, [Wq, Wk, Wv])        rope_(q), rope_(k)
+//   each request's new k, v written into its cache at layer `layer`, positions P_b .. P_b + n_b - 1
+//   h += o_proj(attention(q, caches)),  x' = rms_norm(h) by the post-attention norm
+//   h += down(silu_mul(gate(x'), up(x'))),  returns rms_norm(h) by the next layer's input norm
+//
+// It calls the very functions the per-op path calls (kquant.cpp, layers.cpp, through ops.h), in
+// the same order, on the same tensors: its results equal that path's bit for bit (tested in
+// tests/test_native_layers.py). What it saves is the way back to Python between them: a decoding
+// layer is about ten ops of a few microseconds of arithmetic each, and every forward streams
+// megabytes of weights between them, so each return to Python and each dispatch of a small op
+// starts on cold caches (about 0.6 ms a layer outside the matmuls on the AVX2 machine,
+// docs/quantized.md).
+
+#include "ops.h"
+
+#include <cstring>
+#include <vector>
+
+namespace {
+
+namespace ops = specav_native::SPECAV_NS;
+
+c10::List<std::optional<at::Tensor>> some(const c10::List<std::optional<at::Tensor>>& all, size_t first, size_t count) {
+  c10::List<std::optional<at::Tensor>> out;
+  out.reserve(count);
+  for (size_t i = first; i < first + count; ++i) out.push_back(all.get(i));
+  return out;
+}
+
+// weights, qtypes, biases: q, k, v, o, gate, up, down (7 each); cache_keys[b], cache_values[b]:
+// request b's whole cache [L, capacity, Hkv, D], of which the first cached[b] positions are filled.
+at::Tensor decoder_layer_(at::Tensor& h, const at::Tensor& x, at::TensorList weights, at::IntArrayRef qtypes,
+                          const c10::List<std::optional<at::Tensor>>& biases, const at::Tensor& post_norm,
+                          double post_eps, const at::Tensor& next_norm, double next_eps, const at::Tensor& cos,
+                          const at::Tensor& sin, at::TensorList cache_keys, at::TensorList cache_values,
+                          int64_t layer, at::IntArrayRef cached, at::IntArrayRef lengths, int64_t heads,
+                          double scale) {
+  TORCH_CHECK(weights.size() == 7 && qtypes.size() == 7 && biases.size() == 7,
+              "weights, qtypes and biases: q, k, v, o, gate, up, down (7 each)");
+  const int64_t batch = static_cast<int64_t>(lengths.size()), t = x.size(0);
+  TORCH_CHECK(batch >= 1 && static_cast<int64_t>(cached.size()) == batch &&
+              static_cast<int64_t>(cache_keys.size()) == batch && static_cast<int64_t>(cache_values.size()) == batch,
+              "one cache (keys, values) and one cached length per request");
+  const int64_t kv_heads = cache_keys[0].size(2), d = cache_keys[0].size(3), row = kv_heads * d;
+  int64_t total = 0;
+  for (int64_t b = 0; b < batch; ++b) {
+    const at::Tensor &k = cache_keys[b], &v = cache_values[b];
+    TORCH_CHECK(k.dim() == 4 && k.scalar_type() == at::kFloat && k.is_contiguous() && v.sizes() == k.sizes() &&
+                v.scalar_type() == at::kFloat && v.is_contiguous() && k.size(2) == kv_heads && k.size(3) == d,
+                "caches must be contiguous [L, capacity, Hkv, D] float32 tensors of one shape per layer");
+    TORCH_CHECK(layer >= 0 && layer < k.size(0), "layer ", layer, " is outside the cache's ", k.size(0), " layers");
+    TORCH_CHECK(lengths[b] >= 1 && cached[b] >= 0 && cached[b] + lengths[b] <= k.size(1), "request ", b, ": ",
+                cached[b], " cached + ", lengths[b], " new positions exceed its cache's capacity ", k.size(1));
+    total += lengths[b];
+  }
+  TORCH_CHECK(total == t, "lengths must sum to x's rows");
+
+  auto qkv = ops::kq_matmul(x, weights.slice(0, 3), qtypes.slice(0, 3), some(biases, 0, 3));
+  at::Tensor q = qkv[0].view({t, heads, d}), k = qkv[1].view({t, kv_heads, d}), v = qkv[2].view({t, kv_heads, d});
+  ops::rope_(q, cos, sin);
+  ops::rope_(k, cos, sin);
+  std::vector<at::Tensor> keys, values;
+  keys.reserve(batch);
+  values.reserve(batch);
+  const float *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+  for (int64_t b = 0, start = 0; b < batch; start += lengths[b], ++b) {
+    at::Tensor kb = cache_keys[b].select(0, layer), vb = cache_values[b].select(0, layer);  // [capacity, Hkv, D]
+    const size_t bytes = static_cast<size_t>(lengths[b] * row) * sizeof(float);
+    std::memcpy(kb.data_ptr<float>() + cached[b] * row, kp + start * row, bytes);
+    std::memcpy(vb.data_ptr<float>() + cached[b] * row, vp + start * row, bytes);
+    keys.push_back(kb.narrow(0, 0, cached[b] + lengths[b]));
+    values.push_back(vb.narrow(0, 0, cached[b] + lengths[b]));
+  }
+  const at::Tensor out = ops::attention(q, keys, values, lengths, scale);
+  const at::Tensor o = ops::kq_matmul(out.view({t, heads * d}), weights.slice(3, 1), qtypes.slice(3, 1), some(biases, 3, 1))[0];
+  const at::Tensor normed = ops::add_rms_norm_(h, o, post_norm, post_eps);
+  auto gate_up = ops::kq_matmul(normed, weights.slice(4, 2), qtypes.slice(4, 2), some(biases, 4, 2));
+  const at::Tensor down = ops::kq_matmul(ops::silu_mul(gate_up[0], gate_up[1]), weights.slice(6, 1), qtypes.slice(6, 1),
+                                         some(biases, 6, 1))[0];
+  return ops::add_rms_norm_(h, down, next_norm, next_eps);
+}
+
+}  // namespace
+
+SPECAV_FRAGMENT(m) {
+  m.def("decoder_layer_(Tensor(a!) h, Tensor x, Tensor[] weights, int[] qtypes, Tensor?[] biases, Tensor post_norm, "
+        "float post_eps, Tensor next_norm, float next_eps, Tensor cos, Tensor sin, Tensor[] cache_keys, "
+        "Tensor[] cache_values, int layer, int[] cached, int[] lengths, int heads, float scale) -> Tensor");
+}
+
+SPECAV_IMPL(m) {
+  m.impl("decoder_layer_", &decoder_layer_);
+}
