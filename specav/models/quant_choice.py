@@ -187,8 +187,8 @@ def plan_from_times(times: dict[str, list[float]]) -> KernelPlan:
     fastest kernel and no third kernel would be kept for it: where all seven linears of a layer
     run kquant, the layer is one native call (layer_ops.py, native/decoder.cpp), a saving per
     layer that the per-shape timings do not see (on the AVX2 EPYC, whose one-thread timings put
-    kquant and int8dyn within 1-21% of each other at one row, the target's one-row forward took
-    0.81x the time of the per-shape choice; docs/quantized.md).
+    kquant within 1-21% of int8dyn at one row on the MLP shapes, the target's one-row forward
+    took 0.59-0.67x the time it took with the per-shape choice; docs/quantized.md).
 
     times: kernel -> milliseconds at each of ROW_BUCKETS.
     """
