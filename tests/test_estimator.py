@@ -370,6 +370,16 @@ def test_a_refit_without_labels_changes_nothing(mode):
     assert est.slope == config.init_slope
 
 
+def test_a_step_that_verified_no_slot_adds_nothing_but_counts():
+    """Drafted slots that were all trimmed (or no draft at all): no labels, the step still counts."""
+    est = OnlineAcceptanceEstimator(4, mode_config("pooled", refit_interval=100))
+    features = torch.tensor([[2.0, 1.0, float("nan"), 0.5], [0.3, -1.0, 4.0, 1.0]])
+    est.observe(features, torch.tensor([2, 1]), torch.tensor([1, 1]))
+    before = est._stats.clone()
+    est.observe(features, torch.zeros(2, dtype=torch.long), torch.zeros(2, dtype=torch.long))
+    assert torch.equal(est._stats, before) and est.total_steps == 2 and est.steps_since_refit == 2
+
+
 def test_pooled_statistics_decay_with_the_half_life():
     est = OnlineAcceptanceEstimator(2, EstimatorConfig(refit_interval=10, half_life=20.0, cold_start_labels=0,
                                                        change_z=math.inf))

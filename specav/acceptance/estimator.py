@@ -311,9 +311,10 @@ class OnlineAcceptanceEstimator:
         admitted = self._counts(num_admitted, "num_admitted", f.shape[0])
         accepted = self._counts(num_accepted, "num_accepted", f.shape[0])
         self._check_counts(admitted, accepted)
-        labelled, y = self._labels(admitted, accepted)
-        labelled &= torch.isfinite(f)
-        self._accumulate(f, labelled, y)
+        if bool(admitted.any()):  # a step that verified no slot has no labels (its terms are all zero)
+            labelled, y = self._labels(admitted, accepted)
+            labelled &= torch.isfinite(f)
+            self._accumulate(f, labelled, y)
         self.steps_since_refit += steps
         self.total_steps += steps
         nxt = self.next_refit()
