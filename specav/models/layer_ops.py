@@ -135,31 +135,17 @@ class NativeLayerOps:
         return None if kquant is None else kquant.at(rows)
 
     def decoder_layer(self, linears, layer: torch.nn.Module, index: int, h: torch.Tensor, x: torch.Tensor,
-                      rope: tuple[torch.Tensor, torch.Tensor], caches: "LayerCaches", next_norm: torch.nn.Module,
+                      rope: tuple[torch.Tensor, torch.Tensor], batch, next_norm: torch.nn.Module,
                       heads: int) -> torch.Tensor:
         """The whole layer in one native call: h (the residual stream) updated in place, each
-        request's new keys and values written into its cache; returns the next layer's normed input."""
+        request's new keys and values written into its cache; returns the next layer's normed input.
+        batch: the forward's requests (packed._Batch): their caches' key and value tensors
+        # [L, capacity, Hkv, D], the positions filled before this forward, the new tokens."""
         post = layer.post_attention_layernorm
         return self.native.decoder_layer_(
             h, x, linears.blocks, linears.qtypes, linears.biases, post.weight, post.variance_epsilon,
-            next_norm.weight, next_norm.variance_epsilon, *rope, caches.keys, caches.values, index,
-            caches.cached, caches.lengths, heads, layer.self_attn.scaling)
-
-
-@dataclass(slots=True)
-class LayerCaches:
-    """What the whole-layer call needs of the requests' caches: each one's key and value tensors
-    # [L, capacity, Hkv, D] (room reserved for its new tokens), its filled positions before this
-    forward, its new tokens."""
-
-    keys: list[torch.Tensor]
-    values: list[torch.Tensor]
-    cached: list[int]
-    lengths: list[int]
-
-    @classmethod
-    def of(cls, caches: Sequence, lengths: list[int]) -> "LayerCaches":
-        return cls([c.keys for c in caches], [c.values for c in caches], [c.length for c in caches], lengths)
+            next_norm.weight, next_norm.variance_epsilon, *rope, batch.keys, batch.values, index,
+            batch.cached, batch.lengths, heads, layer.self_attn.scaling)
 
 
 LayerOps = TorchLayerOps | NativeLayerOps

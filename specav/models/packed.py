@@ -30,7 +30,7 @@ from typing import Sequence
 import torch
 
 from specav.models.kv_cache import KVCache
-from specav.models.layer_ops import LayerCaches, layer_ops_for
+from specav.models.layer_ops import layer_ops_for
 from specav.models.threads import ThreadChoice
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
@@ -98,15 +98,13 @@ class PackedCausalLM:
         h = self.decoder.embed_tokens(ids)  # [T, hidden]: the residual stream
         cos, sin = self.decoder.rotary_emb(h, positions[None])  # [1, T, D] each
         rope = ops.rope_tables(cos[0], sin[0])
-        batch = _Batch(caches, lengths, ops.layout([c.length for c in caches], lengths))
+        batch = _Batch(caches, lengths, ops)
         x = ops.norm(layers[0].input_layernorm, h)
-        layer_caches = None  # the caches as the whole-layer call reads them (made at its first use)
         for i, layer in enumerate(layers):  # each norm is fused with the residual add before it
             next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.decoder.norm
             linears = ops.whole_layer(layer, h.shape[0])  # the layer in one native call, where it can run so
             if linears is not None:
-                layer_caches = layer_caches or LayerCaches.of(caches, lengths)
-                x = ops.decoder_layer(linears, layer, i, h, x, rope, layer_caches, next_norm, self.num_heads)
+                x = ops.decoder_layer(linears, layer, i, h, x, rope, batch, next_norm, self.num_heads)
                 continue
             h, x = ops.add_norm(h, self._attention(layer.self_attn, x, rope, batch, i), layer.post_attention_layernorm)
             h, x = ops.add_norm(h, ops.mlp(layer.mlp, x), next_norm)
@@ -138,14 +136,18 @@ class PackedCausalLM:
 
 
 class _Batch:
-    """The requests of one forward: their caches, where their tokens sit in the packed # [T]."""
+    """The requests of one forward: their caches (room already reserved for the new tokens), where
+    their tokens sit in the packed # [T], and what the layer ops read of them."""
 
-    __slots__ = ("caches", "lengths", "starts", "layout")
+    __slots__ = ("caches", "lengths", "starts", "cached", "keys", "values", "layout")
 
-    def __init__(self, caches: Sequence[KVCache], lengths: list[int], layout) -> None:
+    def __init__(self, caches: Sequence[KVCache], lengths: list[int], ops) -> None:
         self.caches = caches
         self.lengths = lengths
         self.starts = [0]
         for n in lengths[:-1]:
             self.starts.append(self.starts[-1] + n)
-        self.layout = layout  # what the layer ops' attention needs (padding and mask, or the lengths)
+        self.cached = [c.length for c in caches]  # positions filled before this forward
+        self.keys = [c.keys for c in caches]  # [L, capacity, Hkv, D] each: the whole-layer call writes into them
+        self.values = [c.values for c in caches]
+        self.layout = ops.layout(self.cached, lengths)  # what attention needs (padding and mask, or the lengths)
