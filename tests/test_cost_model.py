@@ -101,6 +101,19 @@ def test_correction_converges_at_the_rate_its_half_life_says():
     assert math.log(model.scale("verify")) == pytest.approx(0.5 * math.log(3), rel=1e-9)
 
 
+def test_an_unmeasured_drafter_drifts_with_the_measured_target():
+    """Where nothing has drafted yet (AV's cold start waiting on its bound), a slowdown measured on
+    target-only steps is the drafter's too: left at its profile, a slower machine would make drafting
+    look cheap beside target-only decoding, and the cold start's bound would let it draft."""
+    model = CostModel(profile(), halflife=4.0)
+    for _ in range(40):
+        model.observe([], 1, 100, StageTimes(0.0, 2 * profile().verify(1, 100), 2 * profile().verify(1, 100)))
+    assert model.scale("draft") == pytest.approx(2.0, rel=1e-3) == model.scale("plain")
+    for _ in range(40):  # once the drafter is measured, it follows its own time
+        model.observe([(1, 100)], 2, 200, StageTimes(profile().draft(1, 100), 0.1, 0.1 + profile().draft(1, 100)))
+    assert model.scale("draft") == pytest.approx(1.0, rel=1e-3) and model.scale("plain") == pytest.approx(2.0, rel=1e-3)
+
+
 def test_non_finite_or_zero_measurements_are_ignored():
     model = CostModel(profile())
     model.observe([], 4, 0, StageTimes(0.0, float("nan"), float("inf")))

@@ -232,6 +232,31 @@ def test_cold_start_drafts_one_whole_block_the_cheapest_catch_up():
     assert p.draft_plan(requests(3), [4, 4, 4], shapes).num_slots == [4, 4, 4]
 
 
+def test_the_cold_start_waits_until_a_perfect_drafter_could_repay_it():
+    """The cold start is an investment in learning: made only if, with every draft accepted, drafting
+    would beat target-only decoding over the batch's remaining tokens by more than the cold start
+    costs. A short request (a user's one `generate`) does not repay it; where verifying costs more
+    than the tokens a perfect drafter adds (this project's AVX2 VM after the whole-layer call), no
+    length does, and nothing drafts."""
+    shape = [RequestShape(1, 10, draft_pending=10)]
+
+    def drafted(p: AdaptivePlanner, max_tokens: int) -> list[int]:
+        request = Request([1] * 10, SamplingParams(max_tokens=max_tokens), request_id=f"m{max_tokens}")
+        return p.draft_plan([request], [4], shape).num_slots
+
+    # cost_model(): 1 s per target-only step, a drafter row 0.22 s, a verified slot 0.1 s
+    assert drafted(planner(4), 2) == [0]  # 2 tokens cannot repay a 4-slot block and a catch-up
+    assert drafted(planner(4), 400) == [4]
+    # batch-wide: three requests that each could not repay it can together
+    p, batch = planner(4), [Request([1] * 10, SamplingParams(max_tokens=2), request_id=f"b{i}") for i in range(3)]
+    assert p.draft_plan(batch[:1], [4], shape).num_slots == [0]
+    assert p.draft_plan(batch, [4] * 3, shape * 3).num_slots == [4, 0, 0]
+    dear = AdaptivePlanner(4, OnlineAcceptanceEstimator(4), cost_model(verify_per_token=1.0),
+                           AdaptiveConfig(exploration=0.0, control_share=0.0))
+    assert drafted(dear, 100_000) == [0]  # a verified slot costs a whole step: even a perfect drafter loses
+    assert not dear.population.features and dear.cost.plain_observations == 0  # nothing learnt, nothing drafted
+
+
 def test_a_due_probe_waits_for_its_budget_and_pays_its_catch_up():
     p = planner(4, probe_interval=1)
     request = requests(1)[0]

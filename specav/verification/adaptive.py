@@ -53,7 +53,12 @@ Rules (survival s_i = product of a request's confidences 1..i, architecture.md):
   tokens to catch up on; the others wait one step for the population's features, which then
   stand in for a new request's own history. A whole block, because one slot's feature would
   stand for the whole population: a first slot rejected made every later request's catch-up look
-  unpaid (code at concurrency 1: the first two requests never drafted).
+  unpaid (code at concurrency 1: the first two requests never drafted). Only where learning
+  could pay: if every draft were accepted, drafting the best block must beat target-only
+  decoding over the batch's remaining tokens by more than the cold start costs (the catch-up and
+  the whole block). Where even a perfect drafter would not repay it (a short request, or a
+  machine whose verification costs several one-token forwards), nothing drafts; the bound is
+  checked every step with that step's cost model.
 * Admit (the plan stage, the trim). Drafting is sunk by then, so a slot pays if its survival
   s >= lambda * (marginal verify seconds, attention to the request's context included). All
   drafted slots of the batch are scanned in descending survival (ties by position, then by
@@ -275,7 +280,7 @@ class AdaptivePlanner:
         rate = self.config.min_speedup * self.target_only_rate(shapes)  # what a catch-up must beat
         entry_row = self._draft_row(len(shapes))
         pending = sum(s.pending for s in shapes)  # tokens the target verifies before any slot
-        for i in self._cold_start(requests, max_slots, shapes):
+        for i in self._cold_start(requests, max_slots, shapes, rate, entry_row):
             forced.append(i)
             num_slots[i] = max_slots[i]
             explore[i] = True  # its whole block is drafted and verified
@@ -310,13 +315,36 @@ class AdaptivePlanner:
         return DraftPlan(num_slots, stop, explore, price, tuple(shapes))
 
     def _cold_start(self, requests: Sequence[Request], max_slots: Sequence[int],
-                    shapes: Sequence[RequestShape]) -> list[int]:
-        """With nothing known yet, the one request that drafts: the cheapest catch-up (see the module docstring)."""
+                    shapes: Sequence[RequestShape], rate: float, draft_row: float) -> list[int]:
+        """With nothing known yet, the one request that drafts: the cheapest catch-up, if learning
+        could pay at all (see the module docstring)."""
         if self.population.features:
             return []
         unknown = [i for i, (r, m) in enumerate(zip(requests, max_slots))
                    if m > 0 and not self._known(self._history(r))]
-        return [min(unknown, key=lambda i: (shapes[i].draft_pending, i))] if unknown else []
+        if not unknown:
+            return []
+        first = min(unknown, key=lambda i: (shapes[i].draft_pending, i))
+        remaining = sum(requests[i].remaining for i in unknown)
+        return [first] if self._cold_start_pays(shapes[first], remaining, len(shapes), rate, draft_row) else []
+
+    def _cold_start_pays(self, shape: RequestShape, remaining: int, pending: int, rate: float,
+                         draft_row: float) -> bool:
+        """Whether the cold start could repay its price if every draft were accepted: drafting the
+        best block with nothing rejected must beat target-only decoding (`rate` tokens per second),
+        over the batch's `remaining` tokens, by more than the cold start costs (the request's
+        catch-up and its whole block drafted and verified). Optimism bounds what learning can buy:
+        where even a perfect drafter would not repay the block that teaches the population, nothing
+        is drafted, and the bound is checked again every step, by the cost model of that step."""
+        perfect = torch.arange(1, self.num_slots + 1, dtype=torch.float64)  # accepted tokens of blocks 1..K
+        block_seconds = self._block_seconds(pending, draft_row, [shape.slot_attended])[0] + \
+            self.cost.drafting_premium(pending)
+        values = perfect - rate * block_seconds
+        best = int(values.argmax())
+        if values[best] <= 0:
+            return False
+        gain = float(values[best]) * remaining / (1.0 + float(perfect[best]))
+        return gain >= rate * (self._catch_up_seconds(shape) + float(block_seconds[-1]))
 
     def _entry_pays(self, request: Request, shape: RequestShape, pending: int, rate: float,
                     draft_row: float) -> bool:

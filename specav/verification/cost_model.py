@@ -150,6 +150,7 @@ class CostModel:
         self.log_scale = {"draft": 0.0, "verify": 0.0, "plain": 0.0}
         self.plain_observations = 0  # steps that drafted nothing (the plain scale's evidence)
         self.verify_observations = 0  # steps that drafted (the verify scale's)
+        self.draft_observations = 0  # steps with a drafter forward (the draft scale's)
         self.overhead = overhead  # seconds per step outside the two models' stages
         self.observations = 0
 
@@ -219,10 +220,13 @@ class CostModel:
                 self.log_scale[stage] += self.alpha * (math.log(seconds / profiled) - self.log_scale[stage])
                 self.verify_observations += stage == "verify"
                 self.plain_observations += stage == "plain"
+                self.draft_observations += stage == "draft"
         if not self.verify_observations:  # an unmeasured verify scale stands in with the other's
             self.log_scale["verify"] = self.log_scale["plain"]
         if not self.plain_observations:
             self.log_scale["plain"] = self.log_scale["verify"]
+        if not self.draft_observations:  # the machine's drift, measured on the target, is the drafter's too
+            self.log_scale["draft"] = self.log_scale["plain"]
         rest = measured.total - measured.draft - measured.verify
         if math.isfinite(rest):
             self.overhead += self.alpha * (max(0.0, rest) - self.overhead)
