@@ -26,6 +26,7 @@ from torch import nn
 from specav.models import CheckpointError, load_checkpoint, native
 from specav.models.quant import FusedLinear, QuantizedEmbedding, QuantizedLinear, load_quantized
 from specav.models.quant_choice import DRAFTER_NATIVE_ROWS, ONE_ROW_KQUANT_WITHIN, FixedRule, KernelPlan, MeasuredChoice, machine_key, plan_from_times
+from specav.models import quant_formats
 from specav.models.quant_formats import GGUFWeight, dequantize, int4_groups, requantize_q4_k
 from specav.models.quant_gguf import read_header
 from specav.models.quant_kernels import KERNELS, KQuantWeight, kquant_matmuls
@@ -96,6 +97,23 @@ def test_hand_packers_round_trip_through_gguf_dequantiser(qtype):
     back = gguf.quants.dequantize(quantize(x, qtype), qtype)
     step = {T.Q4_K: 2 * np.abs(x).max() / 15, T.Q6_K: np.abs(x).max() / 31}[qtype]
     assert np.abs(back - x).max() <= step  # a wrong bit layout gives errors of order |x|
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K, T.Q5_0, T.Q8_0, T.Q4_0, T.Q5_K, T.IQ4_NL, T.F16, T.F32])
+def test_dequantize_equals_the_gguf_package_bit_for_bit(qtype, monkeypatch):
+    """The loader's dequantiser calls the package's block dequantiser on many rows at once; on random
+    bytes (every bit pattern of scales and codes, NaN and inf included) and across its row chunks it
+    returns exactly the package's own output."""
+    monkeypatch.setattr(quant_formats, "_DEQUANT_BLOCKS", 7)  # several chunks, the last one short
+    block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    n, k = 13, 4 * 256
+    blocks = np.random.default_rng(int(qtype)).integers(0, 256, (n, k // block_size * type_size), dtype=np.uint8)
+    with np.errstate(all="ignore"):  # random scales overflow to inf, as they do in the package
+        ours = dequantize(GGUFWeight("w", qtype, (n, k), blocks)).numpy()
+        theirs = np.asarray(gguf.quants.dequantize(blocks, qtype), dtype=np.float32).reshape(n, k)
+        picked = dequantize(GGUFWeight("w", qtype, (n, k), blocks), np.array([4, 0])).numpy()
+    assert np.array_equal(ours, theirs, equal_nan=True)
+    assert np.array_equal(picked, theirs[[4, 0]], equal_nan=True)
 
 
 @pytest.mark.parametrize("qtype", [T.Q4_K, T.Q4_0, T.Q4_1])
@@ -208,6 +226,37 @@ def test_kquant_runs_weights_padded_past_k(native_ops):
     assert ((y.double() - expected).norm() / expected.norm()).item() < 1e-5
     requant_error = ((dequantize(q4k) - dequantize(weight)).norm() / dequantize(weight).norm()).item()
     assert requant_error < 0.1  # 4 bits from 8: about 0.08 on Gaussian weights
+
+
+@pytest.mark.skipif(not native.available(), reason="the drafter's policy needs the native kernels")
+def test_the_drafters_requantised_weights_are_kept_and_served_by_content(tmp_path, monkeypatch):
+    """A drafter's requantisation (most of its load) is kept beside the kernel profile: the next load
+    reads the very blocks it wrote; another source weight (or another native build) is another file;
+    an unreadable file is requantised and written again."""
+    from specav.models import quant_choice
+
+    made = []
+    requantize = quant_choice.requantize_q4_k
+    monkeypatch.setattr(quant_choice, "requantize_q4_k", lambda w, q: made.append(w.name) or requantize(w, q))
+    policy = quant_choice.NativeDrafter(tmp_path / "kernel-profile.json")
+    weight = random_weight(T.Q8_0, n=24, k=896)
+    first = policy.convert(weight)
+    again = quant_choice.NativeDrafter(tmp_path / "kernel-profile.json").convert(weight)
+    assert made == [weight.name] and again.qtype == T.Q4_K and np.array_equal(again.blocks, first.blocks)
+    assert np.array_equal(first.blocks, requantize(weight, native.ops().quantize_q4_k).blocks)
+    files = list((tmp_path / quant_choice.REQUANTIZED_DIR).glob("*.npy"))
+    assert len(files) == 1
+    policy.convert(random_weight(T.Q8_0, n=24, k=896, seed=1))  # other blocks: another file
+    monkeypatch.setattr(native, "build_key", lambda: "another build")
+    policy.convert(weight)  # another quantiser build: another file
+    assert len(made) == 3 and len(list(files[0].parent.glob("*.npy"))) == 3
+    monkeypatch.undo()
+    monkeypatch.setattr(quant_choice, "requantize_q4_k", lambda w, q: made.append(w.name) or requantize(w, q))
+    files[0].write_bytes(b"not an array")
+    assert np.array_equal(policy.convert(weight).blocks, first.blocks) and len(made) == 4
+    assert np.array_equal(np.load(files[0]), first.blocks)  # written again
+    assert policy.convert(random_weight(T.Q4_K, n=8, k=512)).qtype == T.Q4_K  # k-quants run as stored
+    assert len(made) == 4
 
 
 def test_q4_k_quantiser_beats_min_max_rounding(native_ops):

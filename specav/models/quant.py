@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -192,22 +193,32 @@ def load_quantized(path: Path, mode: str, profile_path: Path | None = None, role
     with torch.device("meta"):
         hf = AutoModelForCausalLM.from_config(config, dtype=ACTIVATION_DTYPE)
     files = _Tensors(header, config)
-    # The lm_head first: its packing transient (~3 copies of the largest matrix) then lands
-    # while little else is resident, so it does not raise the peak above the final size.
     lm_head_name = "output.weight" if "output.weight" in header.tensors else "token_embd.weight"
-    lm_head = QuantizedLinear.from_gguf(header.weight(lm_head_name), None, policy, head=True)
-    _return_freed_memory()
-    for i, layer in enumerate(hf.model.layers):
-        for gguf_name, module in _LINEARS.items():
-            weight, bias = files.linear(f"blk.{i}.{gguf_name}")
-            layer.set_submodule(module, QuantizedLinear.from_gguf(weight, bias, policy))
-        for gguf_name, module in _NORMS.items():
-            layer.get_submodule(module).weight = files.parameter(f"blk.{i}.{gguf_name}.weight")
-        attn, mlp = layer.self_attn, layer.mlp  # one call for the projections of one input (packed.py)
-        attn.qkv_proj = FusedLinear([attn.q_proj, attn.k_proj, attn.v_proj])
-        mlp.gate_up_proj = FusedLinear([mlp.gate_proj, mlp.up_proj])
-        layer.kquant = KQuantLayer(layer)  # the whole layer in one native call where it can (layer_ops.py)
-        _return_freed_memory()
+
+    def linear(job: tuple[int, str]) -> QuantizedLinear:
+        if job[0] < 0:
+            return QuantizedLinear.from_gguf(header.weight(lm_head_name), None, policy, head=True)
+        weight, bias = files.linear(f"blk.{job[0]}.{job[1]}")
+        return QuantizedLinear.from_gguf(weight, bias, policy)
+
+    # Packing is most of a load (dequantising, requantising, fbgemm's prepack: all outside the GIL),
+    # so the weights are packed by as many threads as torch computes with, each one weight at a time
+    # (the peak grows by one weight's transient per thread). The lm_head first: the largest matrix,
+    # its transient (~3 copies of it) lands while little else is resident.
+    jobs = [(-1, "lm_head")] + [(i, gguf_name) for i in range(len(hf.model.layers)) for gguf_name in _LINEARS]
+    with ThreadPoolExecutor(max(1, torch.get_num_threads())) as pool:
+        linears = pool.map(linear, jobs)
+        lm_head = next(linears)
+        for i, layer in enumerate(hf.model.layers):
+            for module in _LINEARS.values():
+                layer.set_submodule(module, next(linears))
+            for gguf_name, module in _NORMS.items():
+                layer.get_submodule(module).weight = files.parameter(f"blk.{i}.{gguf_name}.weight")
+            attn, mlp = layer.self_attn, layer.mlp  # one call for the projections of one input (packed.py)
+            attn.qkv_proj = FusedLinear([attn.q_proj, attn.k_proj, attn.v_proj])
+            mlp.gate_up_proj = FusedLinear([mlp.gate_proj, mlp.up_proj])
+            layer.kquant = KQuantLayer(layer)  # the whole layer in one native call where it can (layer_ops.py)
+            _return_freed_memory()
     hf.model.norm.weight = files.parameter("output_norm.weight")
     hf.model.embed_tokens = QuantizedEmbedding(header.weight("token_embd.weight"))
     hf.model.rotary_emb = type(hf.model.rotary_emb)(config=config)  # its buffers were built on meta
