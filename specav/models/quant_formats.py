@@ -73,8 +73,8 @@ def dequantize(weight: GGUFWeight, rows: slice | np.ndarray = slice(None)) -> to
 def _dequantize_rows(data: np.ndarray, qtype: gguf.GGMLQuantizationType) -> np.ndarray:
     """gguf.quants.dequantize of rows # [n, bytes per row], its own block dequantiser called on many
     rows at once: the package's array path takes 16 rows a call, and its Python between calls was
-    most of a model's load (36 of 100 s for the packaged pair on the AMD EPYC). The same arithmetic
-    on the same blocks: equal to the package's output bit for bit (tests/test_quant_formats.py)."""
+    a third of the packaged pair's load on the AMD EPYC (36 of 100 s under cProfile). The same
+    arithmetic on the same blocks: the package's output bit for bit (tests/test_quant.py)."""
     trait = getattr(gguf.quants, qtype.name, None)  # the package's class of the type (Q4_K, Q6_K, ...)
     block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
     if not (isinstance(trait, type) and hasattr(trait, "dequantize_rows")) or data.ndim != 2 \
