@@ -231,32 +231,34 @@ def test_kquant_runs_weights_padded_past_k(native_ops):
 @pytest.mark.skipif(not native.available(), reason="the drafter's policy needs the native kernels")
 def test_the_drafters_requantised_weights_are_kept_and_served_by_content(tmp_path, monkeypatch):
     """A drafter's requantisation (most of its load) is kept beside the kernel profile: the next load
-    reads the very blocks it wrote; another source weight (or another native build) is another file;
-    an unreadable file is requantised and written again."""
+    reads the very blocks it wrote; another source weight is another file; an unreadable file is
+    requantised and written again; another native build keeps its own set and removes the others."""
     from specav.models import quant_choice
 
     made = []
     requantize = quant_choice.requantize_q4_k
     monkeypatch.setattr(quant_choice, "requantize_q4_k", lambda w, q: made.append(w.name) or requantize(w, q))
-    policy = quant_choice.NativeDrafter(tmp_path / "kernel-profile.json")
+    profile = tmp_path / "kernel-profile.json"
+    policy = quant_choice.NativeDrafter(profile)
     weight = random_weight(T.Q8_0, n=24, k=896)
     first = policy.convert(weight)
-    again = quant_choice.NativeDrafter(tmp_path / "kernel-profile.json").convert(weight)
+    again = quant_choice.NativeDrafter(profile).convert(weight)
     assert made == [weight.name] and again.qtype == T.Q4_K and np.array_equal(again.blocks, first.blocks)
     assert np.array_equal(first.blocks, requantize(weight, native.ops().quantize_q4_k).blocks)
-    files = list((tmp_path / quant_choice.REQUANTIZED_DIR).glob("*.npy"))
-    assert len(files) == 1
+    kept = policy.cache_dir
+    assert kept.parent == tmp_path / quant_choice.REQUANTIZED_DIR and len(list(kept.glob("*.npy"))) == 1
     policy.convert(random_weight(T.Q8_0, n=24, k=896, seed=1))  # other blocks: another file
-    monkeypatch.setattr(native, "build_key", lambda: "another build")
-    policy.convert(weight)  # another quantiser build: another file
-    assert len(made) == 3 and len(list(files[0].parent.glob("*.npy"))) == 3
-    monkeypatch.undo()
-    monkeypatch.setattr(quant_choice, "requantize_q4_k", lambda w, q: made.append(w.name) or requantize(w, q))
-    files[0].write_bytes(b"not an array")
-    assert np.array_equal(policy.convert(weight).blocks, first.blocks) and len(made) == 4
-    assert np.array_equal(np.load(files[0]), first.blocks)  # written again
+    assert len(made) == 2 and len(list(kept.glob("*.npy"))) == 2
+    (path,) = [f for f in kept.glob("*.npy") if np.array_equal(np.load(f), first.blocks)]
+    path.write_bytes(b"not an array")
+    assert np.array_equal(policy.convert(weight).blocks, first.blocks) and len(made) == 3
+    assert np.array_equal(np.load(path), first.blocks)  # written again
     assert policy.convert(random_weight(T.Q4_K, n=8, k=512)).qtype == T.Q4_K  # k-quants run as stored
-    assert len(made) == 4
+    assert len(made) == 3
+    monkeypatch.setattr(native, "build_key", lambda: "another-build")
+    rebuilt = quant_choice.NativeDrafter(profile)
+    assert np.array_equal(rebuilt.convert(weight).blocks, first.blocks) and len(made) == 4  # its own quantiser
+    assert [d.name for d in (tmp_path / quant_choice.REQUANTIZED_DIR).iterdir()] == ["another-build"]
 
 
 def test_q4_k_quantiser_beats_min_max_rounding(native_ops):

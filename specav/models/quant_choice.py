@@ -38,6 +38,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -107,11 +108,21 @@ REQUANTIZED_DIR = "requantized"  # under the cache root: drafter weights requant
 
 
 def requantized_digest(weight: GGUFWeight) -> str:
-    """Names a requantised weight by what made it: the native build (its quantiser), the source type
-    and shape, and the stored blocks themselves (a changed file cannot be served a stale weight)."""
-    h = hashlib.blake2b(f"{native.build_key()} | {weight.qtype.name} | {weight.shape}".encode(), digest_size=20)
+    """Names a requantised weight by what made it: the source type and shape, and the stored blocks
+    themselves (a changed file cannot be served a stale weight); the native build that made it (its
+    quantiser) names the directory it is kept in."""
+    h = hashlib.blake2b(f"{weight.qtype.name} | {weight.shape}".encode(), digest_size=20)
     h.update(np.ascontiguousarray(weight.blocks).data)
     return h.hexdigest()
+
+
+def _remove_other_builds(directory: Path) -> None:
+    """Remove the requantised weights of other native builds beside `directory` (each build's set is
+    the size of a drafter: kept, every rebuild would add one). A process of another build that
+    still reads its set requantises what it then misses."""
+    for other in directory.parent.iterdir():
+        if other != directory and other.is_dir():
+            shutil.rmtree(other, ignore_errors=True)
 
 
 class NativeDrafter:
@@ -127,7 +138,8 @@ class NativeDrafter:
         # Nothing is measured (one kernel runs everything), but requantising is most of a drafter's
         # load (10 of 18 s for the packaged one on the AMD EPYC), so its results are kept beside the
         # kernel profile, one file per weight named by a digest of what it was made from.
-        self.cache_dir = None if cache_path is None else Path(cache_path).parent / REQUANTIZED_DIR
+        self.cache_dir = None if cache_path is None else Path(cache_path).parent / REQUANTIZED_DIR / native.build_key()
+        self._pruned = False  # other builds' sets are removed at this policy's first write
 
     def convert(self, weight: GGUFWeight) -> GGUFWeight:
         if weight.qtype in KQuantWeight.exact_types and weight.shape[1] % 256 == 0:
@@ -144,6 +156,9 @@ class NativeDrafter:
         q4k = requantize_q4_k(weight, native.ops().quantize_q4_k)
         try:
             self.cache_dir.mkdir(parents=True, exist_ok=True)
+            if not self._pruned:
+                _remove_other_builds(self.cache_dir)
+                self._pruned = True
             atomic_write(path, lambda f: np.save(f, q4k.blocks))
         except OSError as e:
             raise write_error(e, self.cache_dir, f"the requantised drafter weight {weight.name}") from None
