@@ -235,9 +235,9 @@ def test_cold_start_drafts_one_whole_block_the_cheapest_catch_up():
 def test_the_cold_start_waits_until_a_perfect_drafter_could_repay_it():
     """The cold start is an investment in learning: made only if, with every draft accepted, drafting
     would beat target-only decoding over the batch's remaining tokens by more than the cold start
-    costs. A short request (a user's one `generate`) does not repay it; where verifying costs more
-    than the tokens a perfect drafter adds (this project's AVX2 VM after the whole-layer call), no
-    length does, and nothing drafts."""
+    costs. A short request (a user's one `generate`) does not repay it; where a verified slot costs
+    as much as a target-only step, a perfect drafter cannot beat target-only decoding at any length,
+    and nothing drafts."""
     shape = [RequestShape(1, 10, draft_pending=10)]
 
     def drafted(p: AdaptivePlanner, max_tokens: int) -> list[int]:
