@@ -259,6 +259,12 @@ def test_the_drafters_requantised_weights_are_kept_and_served_by_content(tmp_pat
     rebuilt = quant_choice.NativeDrafter(profile)
     assert np.array_equal(rebuilt.convert(weight).blocks, first.blocks) and len(made) == 4  # its own quantiser
     assert [d.name for d in (tmp_path / quant_choice.REQUANTIZED_DIR).iterdir()] == ["another-build"]
+    blocked = tmp_path / "blocked"
+    blocked.write_text("a file where the cache directory should be")
+    unkept = quant_choice.NativeDrafter(blocked / "kernel-profile.json")
+    with pytest.warns(UserWarning, match="requantised at every load"):  # the load goes on, said once
+        assert np.array_equal(unkept.convert(weight).blocks, first.blocks)
+    assert np.array_equal(unkept.convert(weight).blocks, first.blocks) and len(made) == 6
 
 
 def test_q4_k_quantiser_beats_min_max_rounding(native_ops):

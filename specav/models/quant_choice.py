@@ -41,6 +41,7 @@ import math
 import shutil
 import sys
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Protocol
@@ -140,6 +141,7 @@ class NativeDrafter:
         # kernel profile, one file per weight named by a digest of what it was made from.
         self.cache_dir = None if cache_path is None else Path(cache_path).parent / REQUANTIZED_DIR / native.build_key()
         self._pruned = False  # other builds' sets are removed at this policy's first write
+        self._warned = False  # a cache that cannot be written is said once
 
     def convert(self, weight: GGUFWeight) -> GGUFWeight:
         if weight.qtype in KQuantWeight.exact_types and weight.shape[1] % 256 == 0:
@@ -160,8 +162,11 @@ class NativeDrafter:
                 _remove_other_builds(self.cache_dir)
                 self._pruned = True
             atomic_write(path, lambda f: np.save(f, q4k.blocks))
-        except OSError as e:
-            raise write_error(e, self.cache_dir, f"the requantised drafter weight {weight.name}") from None
+        except OSError as e:  # a cache that cannot keep it costs the next load this requantisation, nothing more
+            if not self._warned:
+                warnings.warn(f"{write_error(e, self.cache_dir, 'requantised drafter weights')}; "
+                              "the drafter is requantised at every load", stacklevel=2)
+                self._warned = True
         return q4k
 
     def plan(self, weight: GGUFWeight, head: bool = False) -> KernelPlan:
