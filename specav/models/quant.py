@@ -195,19 +195,20 @@ def load_quantized(path: Path, mode: str, profile_path: Path | None = None, role
     files = _Tensors(header, config)
     lm_head_name = "output.weight" if "output.weight" in header.tensors else "token_embd.weight"
 
-    def linear(job: tuple[int, str]) -> QuantizedLinear:
-        if job[0] < 0:
-            return QuantizedLinear.from_gguf(header.weight(lm_head_name), None, policy, head=True)
-        weight, bias = files.linear(f"blk.{job[0]}.{job[1]}")
+    def head() -> QuantizedLinear:
+        return QuantizedLinear.from_gguf(header.weight(lm_head_name), None, policy, head=True)
+
+    def linear(i: int, gguf_name: str) -> QuantizedLinear:
+        weight, bias = files.linear(f"blk.{i}.{gguf_name}")
         return QuantizedLinear.from_gguf(weight, bias, policy)
 
     # Packing is most of a load (dequantising, requantising, fbgemm's prepack: all outside the GIL),
     # so the weights are packed by as many threads as torch computes with, each one weight at a time
     # (the peak grows by one weight's transient per thread). The lm_head first: the largest matrix,
     # its transient (~3 copies of it) lands while little else is resident.
-    jobs = [(-1, "lm_head")] + [(i, gguf_name) for i in range(len(hf.model.layers)) for gguf_name in _LINEARS]
+    jobs = [head] + [functools.partial(linear, i, gguf_name) for i in range(len(hf.model.layers)) for gguf_name in _LINEARS]
     with ThreadPoolExecutor(max(1, torch.get_num_threads())) as pool:
-        linears = pool.map(linear, jobs)
+        linears = pool.map(lambda build: build(), jobs)
         lm_head = next(linears)
         for i, layer in enumerate(hf.model.layers):
             for module in _LINEARS.values():

@@ -337,14 +337,7 @@ class AdaptivePlanner:
         where even a perfect drafter would not repay the block that teaches the population, nothing
         is drafted, and the bound is checked again every step, by the cost model of that step."""
         perfect = torch.arange(1, self.num_slots + 1, dtype=torch.float64)  # accepted tokens of blocks 1..K
-        block_seconds = self._block_seconds(pending, draft_row, [shape.slot_attended])[0] + \
-            self.cost.drafting_premium(pending)
-        values = perfect - rate * block_seconds
-        best = int(values.argmax())
-        if values[best] <= 0:
-            return False
-        gain = float(values[best]) * remaining / (1.0 + float(perfect[best]))
-        return gain >= rate * (self._catch_up_seconds(shape) + float(block_seconds[-1]))
+        return self._drafting_repays(perfect, shape, remaining, pending, rate, draft_row, whole_block=True)
 
     def _entry_pays(self, request: Request, shape: RequestShape, pending: int, rate: float,
                     draft_row: float) -> bool:
@@ -356,14 +349,23 @@ class AdaptivePlanner:
         request: the steps the investment pays off in, not this one, which may be a prompt's prefill:
         a block and a drafting premium priced on a 150-token prefill refused every entry on code)."""
         expected = self._predicted_blocks(*self._history_samples([request]), torch.ones(1, dtype=torch.float64))[0]
+        return self._drafting_repays(expected, shape, request.remaining, pending, rate, draft_row)
+
+    def _drafting_repays(self, expected: torch.Tensor, shape: RequestShape, remaining: int, pending: int,
+                         rate: float, draft_row: float, whole_block: bool = False) -> bool:
+        """Whether drafting the best block, expected # [K] accepted tokens for blocks of 1..K slots,
+        beats `rate` by more over `remaining` tokens than the request's catch-up costs (and, with
+        whole_block, its whole block drafted and verified once); blocks priced as if nothing else
+        drafted in their steps, after `pending` tokens."""
         block_seconds = self._block_seconds(pending, draft_row, [shape.slot_attended])[0] + \
-            self.cost.drafting_premium(pending)  # as if nothing else drafted in its steps
+            self.cost.drafting_premium(pending)
         values = expected - rate * block_seconds
         best = int(values.argmax())
         if values[best] <= 0:
             return False
-        steps_left = request.remaining / (1.0 + float(expected[best]))
-        return float(values[best]) * steps_left >= rate * self._catch_up_seconds(shape)
+        steps_left = remaining / (1.0 + float(expected[best]))
+        price = self._catch_up_seconds(shape) + (float(block_seconds[-1]) if whole_block else 0.0)
+        return float(values[best]) * steps_left >= rate * price
 
     def _catch_up_seconds(self, shape: RequestShape) -> float:
         """What feeding a request's pending tokens adds to its first drafter forward, beyond one row."""
