@@ -316,7 +316,7 @@ def _eval_collect(args: argparse.Namespace) -> int:
     config = engine_config(args)
     if config.speculative is None:
         raise ValueError("eval collect needs a drafter: drop --no-speculation")
-    engine = Engine.from_config(config)
+    engine = Engine.from_config(config, defer_drafter=False)  # it logs the drafter's slots (and hidden states)
     base = sampling_params(args, generation_defaults(args.model, "target"))
 
     def params_for(n: int) -> SamplingParams:

@@ -80,6 +80,7 @@ class DraftBatch:
     hidden: torch.Tensor | None = None  # [S_d, hidden] drafter hidden state per drafted slot, if kept
     forwards: list[tuple[int, int]] = field(default_factory=list)  # per drafter forward: (tokens fed,
     #   key positions they attended to, `attended` summed over its requests), for the cost model
+    setup_seconds: float = 0.0  # of this propose, spent getting the drafter ready (a deferred load), not drafting
 
     @property
     def num_drafted(self) -> torch.Tensor:  # [B] int64

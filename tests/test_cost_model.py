@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -58,6 +59,32 @@ def test_profile_round_trips_through_a_dict():
     assert CostProfile.from_dict(profile.to_dict()) == profile
     target_only = CostProfile(CostCurve.fit({1: 0.05}), None)
     assert CostProfile.from_dict(target_only.to_dict()) == target_only
+    loaded = CostProfile(CostCurve.fit({1: 0.05}), CostCurve.fit({1: 0.02}), "key", draft_load=6.5)
+    assert CostProfile.from_dict(loaded.to_dict()) == loaded
+
+
+def test_a_deferred_drafters_load_is_priced_until_its_first_forward():
+    model = CostModel(profile(), draft_setup=7.0)
+    model.observe([], 1, 100, StageTimes(0.0, 0.05, 0.05))  # target-only: still to be paid
+    assert model.draft_setup == 7.0
+    model.observe([(10, 100)], 2, 200, StageTimes(0.02, 0.06, 0.08))
+    assert model.draft_setup == 0.0
+    with pytest.raises(ValueError, match="draft_setup"):
+        CostModel(profile(), draft_setup=-1.0)
+
+
+def test_the_drafters_load_time_is_kept_in_the_cached_profile(tmp_path):
+    from specav.engine.profile import CATCH_UP, _write, cached_profile, record_draft_load
+
+    path = tmp_path / "cost-profile.json"
+    record_draft_load(path, "k", 5.0)  # nothing cached: nothing to keep it in
+    assert not path.exists()
+    measured = CostProfile(CostCurve.fit({1: 0.05, 16: 0.1}), CostCurve.fit({1: 0.02, 8: 0.03, CATCH_UP: 0.2}))
+    _write(path, "k", measured)
+    assert cached_profile("k", path, True, 16, 8).draft_load is None
+    record_draft_load(path, "k", 6.25)
+    assert cached_profile("k", path, True, 16, 8) == dataclasses.replace(measured, draft_load=6.25)
+    assert cached_profile("other", path, True, 16, 8) is None
 
 
 def profile() -> CostProfile:

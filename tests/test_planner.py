@@ -257,6 +257,22 @@ def test_the_cold_start_waits_until_a_perfect_drafter_could_repay_it():
     assert not dear.population.features and dear.cost.plain_observations == 0  # nothing learnt, nothing drafted
 
 
+def test_the_cold_start_prices_a_deferred_drafters_load():
+    """A drafter not loaded yet (drafting/deferred.py) costs its load before the first draft: the
+    cold start pays it like a catch-up, so a batch that repays the block alone may not repay the load."""
+    shape = [RequestShape(1, 10, draft_pending=10)]
+
+    def drafted(draft_setup: float, max_tokens: int) -> list[int]:
+        p = planner(4)
+        p.cost.draft_setup = draft_setup
+        request = Request([1] * 10, SamplingParams(max_tokens=max_tokens), request_id=f"m{max_tokens}")
+        return p.draft_plan([request], [4], shape).num_slots
+
+    assert drafted(0.0, 400) == [4]
+    assert drafted(1000.0, 400) == [0]  # 1000 s of load: 400 tokens at ~2.7 gained per 5 cannot repay it
+    assert drafted(1000.0, 4000) == [4]
+
+
 def test_a_due_probe_waits_for_its_budget_and_pays_its_catch_up():
     p = planner(4, probe_interval=1)
     request = requests(1)[0]

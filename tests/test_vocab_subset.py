@@ -193,6 +193,7 @@ class FullQReported:
     """LOSSY on purpose: samples drafts from the subset head's q, hands rejection sampling the full head's q."""
 
     name = "full-q-reported"
+    setup_seconds = 0.0
 
     def __init__(self, model: PackedCausalLM, full_head: torch.nn.Module) -> None:
         self.inner = DraftModelDrafter(model, keep_hidden=True)

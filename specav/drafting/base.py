@@ -33,11 +33,15 @@ class StopRule(Protocol):
 
 class Drafter(Protocol):
     name: str
+    # Seconds its next drafting `propose` will spend before any forward (a deferred drafter's load:
+    # drafting/deferred.py), 0.0 once it is ready; a planner prices it like a catch-up.
+    setup_seconds: float
 
     def propose(self, requests: Sequence[Request], num_slots: Sequence[int],
                 stop_rule: StopRule | None = None) -> DraftBatch:
         """Draft up to num_slots[b] tokens for request b (0 = none this step), stopping a request
-        early where stop_rule says so; DraftBatch.forwards records each forward's shape."""
+        early where stop_rule says so; DraftBatch.forwards records each forward's shape, and
+        DraftBatch.setup_seconds the time spent getting ready (a deferred load), not drafting."""
         ...
 
     def pending_tokens(self, requests: Sequence[Request]) -> list[int]:
@@ -75,6 +79,7 @@ class NoDrafter:
     """Target-only decoding: drafts nothing, so every step verifies just the bonus token."""
 
     name = "none"
+    setup_seconds = 0.0
 
     def __init__(self, vocab_size: int) -> None:
         self.vocab_size = vocab_size

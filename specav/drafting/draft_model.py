@@ -45,6 +45,7 @@ class _State:
 @register("draft_model")
 class DraftModelDrafter:
     name = "draft_model"
+    setup_seconds = 0.0  # loaded: ready to draft
 
     def __init__(self, model: PackedCausalLM, feature_clamp: float = 40.0, keep_hidden: bool = False) -> None:
         self.model = model
@@ -52,9 +53,16 @@ class DraftModelDrafter:
         self.keep_hidden = keep_hidden
         self._states: dict[str, _State] = {}
 
+    @property
+    def max_positions(self) -> int | None:
+        """Positions the drafter model holds (None: it does not say)."""
+        return getattr(getattr(self.model, "config", None), "max_position_embeddings", None) or None
+
     def _state(self, request: Request) -> _State:
         if request.request_id not in self._states:
-            self._states[request.request_id] = _State(self.model.new_cache(), list(request.prompt_ids))
+            # Its whole sequence so far: a drafter that first sees a request after the target has
+            # decoded some of it (a deferred drafter, loaded mid-run) catches up on all of it.
+            self._states[request.request_id] = _State(self.model.new_cache(), [*request.prompt_ids, *request.output_ids])
         return self._states[request.request_id]
 
     def propose(self, requests: Sequence[Request], num_slots: Sequence[int],
@@ -110,8 +118,8 @@ class DraftModelDrafter:
                           torch.stack(flat_hidden) if flat_hidden else None, forwards)
 
     def pending_tokens(self, requests: Sequence[Request]) -> list[int]:
-        return [len(self._states[r.request_id].pending) if r.request_id in self._states else len(r.prompt_ids)
-                for r in requests]
+        return [len(self._states[r.request_id].pending) if r.request_id in self._states else
+                len(r.prompt_ids) + len(r.output_ids) for r in requests]
 
     def _features(self, tails: Tails, probs: TokenProbs, tokens: torch.Tensor) -> dict[str, torch.Tensor]:
         """Every logged feature of A slots # [A]: from temperature-scaled, untruncated logits (their

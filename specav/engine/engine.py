@@ -22,7 +22,9 @@ logit_bias) and failed ones are left out of the scorer's statistics: their accep
 say nothing about the rest of the traffic.
 
 Stage times (StepRecord.times) run from the plan to the observe stage: what the planner
-learns from. The step's whole time, commit included, goes to EngineStats.
+learns from. The step's whole time, commit included, goes to EngineStats. A deferred drafter's
+load (drafting/deferred.py: `from_config` defers it under adaptive verification) is in neither:
+EngineStats reports it on its own.
 """
 
 from __future__ import annotations
@@ -38,10 +40,12 @@ from specav.acceptance.scorer import Scorer, make_scorer, score_drafts
 from specav.config import EngineConfig, SamplingParams
 from specav.detokenize import make_detokenizer
 from specav.drafting.base import Drafter, NoDrafter, make_drafter
+from specav.drafting.deferred import DeferredDrafter
 from specav.engine.scheduler import Scheduler
 from specav.engine.stats import EngineStats
 from specav.engine.target import TargetVerifier
-from specav.models.loader import check_same_vocabulary, load_checkpoint
+from specav.models.checkpoint_info import inspect_checkpoint
+from specav.models.loader import CheckpointError, check_same_vocabulary, load_checkpoint, vocabulary_mismatch
 from specav.models.packed import PackedCausalLM
 from specav.models.vocab_subset import apply_vocab_subset
 from specav.request import Request, StepOutput, TokenLogprob
@@ -83,7 +87,7 @@ class Engine:
 
             cost_profile = measure_profile(self.verifier, self.drafter, self.max_verify_tokens,
                                            self.config.max_batch_size, progress=False)
-        cost = CostModel(cost_profile, self.config.adaptive.cost_halflife)
+        cost = CostModel(cost_profile, self.config.adaptive.cost_halflife, draft_setup=self.drafter.setup_seconds)
         return make_planner(name, num_slots=self.num_slots, scorer=self.scorer, cost=cost,
                             config=self.config.adaptive)
 
@@ -93,30 +97,55 @@ class Engine:
         return self.config.max_batch_size * (self.num_slots + 1)
 
     @classmethod
-    def from_config(cls, config: EngineConfig, refresh_profile: bool = False) -> "Engine":
+    def from_config(cls, config: EngineConfig, refresh_profile: bool = False, defer_drafter: bool = True) -> "Engine":
         """Load the target (and drafter, if speculative) named by the config; profile the stages for
-        adaptive verification (cached per machine and models)."""
-        from specav.engine.profile import PROFILE_FILE, load_or_profile, profile_key
+        adaptive verification (cached per machine and models).
+
+        defer_drafter: under adaptive verification, where the cached profile knows what the
+        drafter's load takes, load it when a plan first drafts (drafting/deferred.py): a run whose
+        drafts never pay never loads it. A server passes False: its load belongs to its start, not
+        to the streams of the requests it is serving."""
+        from specav.engine.profile import PROFILE_FILE, cached_profile, load_or_profile, profile_key, record_draft_load
         from specav.models import packaged
 
         if config.target.threads:
             torch.set_num_threads(config.target.threads)
         target = load_checkpoint(config.target.path, config.target.dtype, role="target")
-        drafter = None
-        if config.speculative is not None:
-            draft = load_checkpoint(config.speculative.model, config.target.dtype, role="drafter")
+        spec = config.speculative
+        if spec is None:
+            return cls(target.model, target.tokenizer, None, config, eos_token_ids(target))
+
+        def load_drafter() -> Drafter:
+            draft = load_checkpoint(spec.model, config.target.dtype, role="drafter")
             check_same_vocabulary(target, draft)
-            if config.speculative.draft_vocab_size is not None:
-                apply_vocab_subset(draft, config.speculative.draft_vocab_size)
-            drafter = make_drafter(config.speculative.method, model=draft.model,
-                                   feature_clamp=config.estimator.feature_clamp)
+            if spec.draft_vocab_size is not None:
+                apply_vocab_subset(draft, spec.draft_vocab_size)
+            return make_drafter(spec.method, model=draft.model, feature_clamp=config.estimator.feature_clamp)
+
+        adaptive = spec.planner != "static"
+        cache = packaged.cache_root() / PROFILE_FILE
+        key = profile_key(f"target {config.target.path} | drafter {spec.model} | {config.target.dtype}")
+        max_verify_tokens = config.max_batch_size * (spec.num_speculative_tokens + 1)
+        profile = None
+        if adaptive and not refresh_profile:
+            profile = cached_profile(key, cache, True, max_verify_tokens, config.max_batch_size)
+        if defer_drafter and profile is not None and profile.draft_load is not None:
+            drafter = DeferredDrafter(load_drafter, spec.method, target.model.vocab_size, profile.draft_load,
+                                      _drafter_positions(spec.model, target),
+                                      on_load=lambda seconds: record_draft_load(cache, key, seconds))
+        else:
+            start = time.perf_counter()
+            drafter = load_drafter()
+            load_seconds = time.perf_counter() - start
         engine = cls(target.model, target.tokenizer, drafter, config, eos_token_ids(target),
                      planner=make_planner("static"))
-        if engine.num_slots and config.speculative.planner != "static":
-            models = f"target {config.target.path} | drafter {config.speculative.model} | {config.target.dtype}"
-            profile = load_or_profile(engine.verifier, engine.drafter, profile_key(models),
-                                      packaged.cache_root() / PROFILE_FILE, engine.max_verify_tokens,
-                                      config.max_batch_size, refresh=refresh_profile)
+        if adaptive:
+            if profile is None:
+                profile = load_or_profile(engine.verifier, engine.drafter, key, cache, engine.max_verify_tokens,
+                                          config.max_batch_size, refresh=refresh_profile)
+            if not isinstance(drafter, DeferredDrafter):  # what this load took: the next deferral's price
+                record_draft_load(cache, key, load_seconds)
+                profile = dataclasses.replace(profile, draft_load=load_seconds)
             engine.planner = engine._make_planner(profile)
         return engine
 
@@ -176,7 +205,7 @@ class Engine:
         shapes, max_slots = self._shapes(batch), self._max_slots(batch)
         draft_plan = self.planner.draft_plan(batch, max_slots, shapes)
         drafts = self.drafter.propose(batch, draft_plan.num_slots, draft_plan.stop_rule)
-        clock.lap("draft")
+        clock.lap("draft", excluding=drafts.setup_seconds)
         scores = self._score(drafts)
         plan = self.planner.plan(drafts, scores, draft_plan)
         clock.lap()
@@ -296,9 +325,16 @@ def _kept_logprobs(request: Request, kept: Sequence[int]) -> list[TokenLogprob] 
 def _max_positions(target: PackedCausalLM, drafter: Drafter) -> int:
     """Positions a request may reach: the target's, and the drafter model's if it has fewer."""
     positions = target.config.max_position_embeddings
-    model = getattr(drafter, "model", None)
-    config = getattr(model, "config", None)
-    return min(positions, getattr(config, "max_position_embeddings", positions) or positions)
+    return min(positions, getattr(drafter, "max_positions", None) or positions)
+
+
+def _drafter_positions(path: str, target) -> int | None:
+    """The drafter checkpoint's positions, read from its header without loading it; its vocabulary
+    size is checked against the target's now (its tokens, when it loads: check_same_vocabulary)."""
+    info = inspect_checkpoint(path, role="drafter")
+    if info.vocab_size is not None and info.vocab_size != target.model.vocab_size:
+        raise CheckpointError(vocabulary_mismatch(target.source, target.model.vocab_size, path, info.vocab_size))
+    return info.context_length
 
 
 class _Clock:
@@ -310,10 +346,13 @@ class _Clock:
         self.start = self.last = time.perf_counter()
         self.stages = {"draft": 0.0, "verify": 0.0}
 
-    def lap(self, stage: str | None = None) -> None:
+    def lap(self, stage: str | None = None, excluding: float = 0.0) -> None:
+        """excluding: seconds of this lap that belong to no stage and not to the step (a deferred
+        drafter's load: the cost model learns the step's time, and a load is paid once)."""
         now = time.perf_counter()
         if stage is not None:
-            self.stages[stage] += now - self.last
+            self.stages[stage] += now - self.last - excluding
+        self.start += excluding
         self.last = now
 
     def times(self) -> StageTimes:

@@ -14,6 +14,7 @@ Must not know: the planner's rules, the estimator, the server.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import statistics
@@ -63,16 +64,31 @@ def load_or_profile(verifier: TargetVerifier, drafter: Drafter | None, key: str,
                     progress: bool = True) -> CostProfile:
     """The cached profile for `key` if it covers these sizes, or a fresh measurement (then cached:
     a profile measured for a larger engine serves a smaller one, not the other way round)."""
-    if cache_path is not None and not refresh:
-        cached = _read(cache_path).get(key)
-        if cached is not None:
-            profile = CostProfile.from_dict(cached)
-            if _covers(profile, drafter is not None, max_verify_tokens, max_draft_rows):
-                return profile
+    cached = None if refresh else cached_profile(key, cache_path, drafter is not None, max_verify_tokens, max_draft_rows)
+    if cached is not None:
+        return cached
     profile = measure_profile(verifier, drafter, max_verify_tokens, max_draft_rows, key, progress)
     if cache_path is not None:
         _write(cache_path, key, profile)
     return profile
+
+
+def cached_profile(key: str, cache_path: Path | None, drafting: bool, max_verify_tokens: int,
+                   max_draft_rows: int) -> CostProfile | None:
+    """The profile cached for `key`, if it covers these sizes (None otherwise)."""
+    cached = _read(cache_path).get(key) if cache_path is not None else None
+    if cached is None:
+        return None
+    profile = CostProfile.from_dict(cached)
+    return profile if _covers(profile, drafting, max_verify_tokens, max_draft_rows) else None
+
+
+def record_draft_load(cache_path: Path | None, key: str, seconds: float) -> None:
+    """Keep what the drafter's load took in the profile cached for `key` (the expectation a
+    deferred load is priced at next time: drafting/deferred.py); nothing if none is cached."""
+    cached = _read(cache_path).get(key) if cache_path is not None else None
+    if cached is not None:
+        _write(cache_path, key, dataclasses.replace(CostProfile.from_dict(cached), draft_load=round(seconds, 3)))
 
 
 def _covers(profile: CostProfile, drafting: bool, max_verify_tokens: int, max_draft_rows: int) -> bool:
@@ -280,6 +296,8 @@ def format_profile(profile: CostProfile) -> str:
                   "  ms      " + " ".join(f"{s * 1e3:7.2f}" for s in profile.draft.seconds),
                   f"  + {profile.draft.per_context * 1e6:.3f} us per attended position",
                   f"  one drafter slot / one target token: {profile.draft(1) / profile.verify(1):.2f}"]
+        if profile.draft_load is not None:
+            lines.append(f"  drafter load (last measured): {profile.draft_load:.1f} s")
     v1 = profile.verify(1)
     lines.append("  verify cost relative to one token: " + ", ".join(
         f"{t} tokens {profile.verify(t) / v1:.2f}x" for t in (2, 5, 9, 16) if t <= profile.verify.tokens[-1]))

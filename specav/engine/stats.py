@@ -30,6 +30,8 @@ class EngineStats:
     prefill_emitted: int = 0  # tokens emitted by prefill steps
     predicted_seconds: float = 0.0  # the planner's prediction of the steps it predicted
     predicted_measured_seconds: float = 0.0  # what those steps measured (same stages)
+    drafter_load_seconds: float = 0.0  # a deferred drafter's load, paid in a step but not counted in `seconds`
+    drafter_load_step: int | None = None  # the step it was paid in
     reached: torch.Tensor = field(init=False)  # [K] slots verified with all earlier slots accepted
     accepted_at: torch.Tensor = field(init=False)  # [K] of those, accepted
 
@@ -49,6 +51,9 @@ class EngineStats:
         self.accepted += int(num_accepted.sum())
         self.skipped += record.num_skipped
         self.seconds += seconds
+        if record.drafts.setup_seconds:
+            self.drafter_load_seconds += record.drafts.setup_seconds
+            self.drafter_load_step = record.step
         if record.prefill_tokens:
             self.prefill_steps += 1
             self.prefill_tokens += record.prefill_tokens
@@ -102,4 +107,6 @@ class EngineStats:
                      f"acceptance per position [{per_pos}]")
         if self.predicted_seconds:
             text += f", step time predicted/measured {self.predicted_seconds / self.predicted_measured_seconds:.2f}"
+        if self.drafter_load_step is not None:
+            text += f"; drafter loaded at step {self.drafter_load_step + 1} in {self.drafter_load_seconds:.1f} s (not counted above)"
         return text

@@ -55,10 +55,11 @@ Rules (survival s_i = product of a request's confidences 1..i, architecture.md):
   stand for the whole population: a first slot rejected made every later request's catch-up look
   unpaid (code at concurrency 1: the first two requests never drafted). Only where learning
   could pay: if every draft were accepted, drafting the best block must beat target-only
-  decoding over the batch's remaining tokens by more than the cold start costs (the catch-up and
-  the whole block). Where even a perfect drafter would not repay it (a short request, or a
-  machine whose verification costs several one-token forwards), nothing drafts; the bound is
-  checked every step with that step's cost model.
+  decoding over the batch's remaining tokens by more than the cold start costs (the catch-up,
+  the whole block, and the drafter's load where it is deferred until a plan first drafts:
+  `CostModel.draft_setup`). Where even a perfect drafter would not repay it (a short request, or
+  a machine whose verification costs several one-token forwards), nothing drafts, and a deferred
+  drafter is never loaded; the bound is checked every step with that step's cost model.
 * Admit (the plan stage, the trim). Drafting is sunk by then, so a slot pays if its survival
   s >= lambda * (marginal verify seconds, attention to the request's context included). All
   drafted slots of the batch are scanned in descending survival (ties by position, then by
@@ -355,8 +356,9 @@ class AdaptivePlanner:
                          rate: float, draft_row: float, whole_block: bool = False) -> bool:
         """Whether drafting the best block, expected # [K] accepted tokens for blocks of 1..K slots,
         beats `rate` by more over `remaining` tokens than the request's catch-up costs (and, with
-        whole_block, its whole block drafted and verified once); blocks priced as if nothing else
-        drafted in their steps, after `pending` tokens."""
+        whole_block, its whole block drafted and verified once), and the drafter's setup where it
+        has not drafted yet (its deferred load: drafting/deferred.py); blocks priced as if nothing
+        else drafted in their steps, after `pending` tokens."""
         block_seconds = self._block_seconds(pending, draft_row, [shape.slot_attended])[0] + \
             self.cost.drafting_premium(pending)
         values = expected - rate * block_seconds
@@ -364,7 +366,8 @@ class AdaptivePlanner:
         if values[best] <= 0:
             return False
         steps_left = remaining / (1.0 + float(expected[best]))
-        price = self._catch_up_seconds(shape) + (float(block_seconds[-1]) if whole_block else 0.0)
+        price = self._catch_up_seconds(shape) + self.cost.draft_setup + \
+            (float(block_seconds[-1]) if whole_block else 0.0)
         return float(values[best]) * steps_left >= rate * price
 
     def _catch_up_seconds(self, shape: RequestShape) -> float:

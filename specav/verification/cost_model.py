@@ -8,6 +8,8 @@ step times.
     verify(tokens, attended)  the target's packed forward over `tokens` tokens, with the
                               processed distributions of every row
     overhead                  the rest of a step (scoring, planning, rejection sampling, commit)
+    draft_setup               seconds paid once before the drafter's first forward (a deferred
+                              load, drafting/deferred.py), priced like a catch-up; 0 once paid
 
 The verify stage has two online scales: `verify`, learnt from steps that drafted, and `plain`,
 from steps that drafted nothing (target-only decoding, the price every rule is held to); until
@@ -122,16 +124,17 @@ class CostProfile:
     verify: CostCurve
     draft: CostCurve | None  # None: target-only engine
     key: str = ""  # machine, models, dtype, threads and kernel build (engine/profile.py)
+    draft_load: float | None = None  # seconds the drafter's last load took on this machine (None: unknown)
 
     def to_dict(self) -> dict[str, Any]:
         return {"key": self.key, "verify": self.verify.to_dict(),
-                "draft": None if self.draft is None else self.draft.to_dict()}
+                "draft": None if self.draft is None else self.draft.to_dict(), "draft_load": self.draft_load}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "CostProfile":
-        draft = data.get("draft")
+        draft, load = data.get("draft"), data.get("draft_load")
         return cls(CostCurve.from_dict(data["verify"]), None if draft is None else CostCurve.from_dict(draft),
-                   str(data.get("key", "")))
+                   str(data.get("key", "")), None if load is None else float(load))
 
 
 def _decay(halflife: float) -> float:
@@ -142,9 +145,15 @@ def _decay(halflife: float) -> float:
 class CostModel:
     """Profiled curves times online scales; predicts stages, learns from measured steps."""
 
-    def __init__(self, profile: CostProfile, halflife: float = 8.0, overhead: float = 0.0) -> None:
+    def __init__(self, profile: CostProfile, halflife: float = 8.0, overhead: float = 0.0,
+                 draft_setup: float = 0.0) -> None:
+        """draft_setup: seconds the drafter spends once before its first forward (a deferred load,
+        drafting/deferred.py); 0 from the first step with a drafter forward on."""
         if not (math.isfinite(halflife) and halflife > 0):
             raise ValueError(f"halflife = {halflife!r} is invalid: a number of steps > 0")
+        if not (math.isfinite(draft_setup) and draft_setup >= 0):
+            raise ValueError(f"draft_setup = {draft_setup!r} is invalid: seconds >= 0")
+        self.draft_setup = draft_setup
         self.profile = profile
         self.alpha = _decay(halflife)
         self.log_scale = {"draft": 0.0, "verify": 0.0, "plain": 0.0}
@@ -210,6 +219,8 @@ class CostModel:
         the profiled points, says nothing of a decoding step's verify: 740 ms measured against
         1506 predicted for code prompts on the AMD EPYC). Its drafter forward, the prompt's
         catch-up, does teach the draft scale: catch-ups are what entries and probes are priced by."""
+        if forwards:
+            self.draft_setup = 0.0  # paid: the drafter is ready
         profiled_draft = sum(self.profile.draft(t, a) for t, a in forwards) if self.profile.draft else 0.0
         stages = [("draft", profiled_draft, measured.draft)]
         if not prefill:
