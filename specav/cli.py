@@ -268,7 +268,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     checked = preflight(args)
     from specav.engine.engine import Engine  # after the checks: a bad flag is refused without importing torch
 
-    engine = Engine.from_config(checked.config)
+    # One request (so a profile measured for any batch covers it), and one run: it spends on the
+    # drafter only what its drafts may repay (Engine.from_config)
+    engine = Engine.from_config(dataclasses.replace(checked.config, max_batch_size=1), defer_drafter=True)
     prompt_ids = encode_prompt(engine.tokenizer, checked.prompt, checked.messages, chat=not args.raw)
     check_context(len(prompt_ids), checked.params.max_tokens, checked.contexts)
     request = engine.add_request(prompt_ids, checked.params)
@@ -316,7 +318,7 @@ def _eval_collect(args: argparse.Namespace) -> int:
     config = engine_config(args)
     if config.speculative is None:
         raise ValueError("eval collect needs a drafter: drop --no-speculation")
-    engine = Engine.from_config(config, defer_drafter=False)  # it logs the drafter's slots (and hidden states)
+    engine = Engine.from_config(config)
     base = sampling_params(args, generation_defaults(args.model, "target"))
 
     def params_for(n: int) -> SamplingParams:

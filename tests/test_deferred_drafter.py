@@ -104,3 +104,37 @@ def test_the_load_is_paid_at_the_first_draft_and_counted_in_no_stage():
     assert engine.stats.drafter_load_seconds >= pause and engine.stats.seconds <= wall - pause  # nor in the steps' time
     assert engine.planner.cost.draft_setup == 0.0
     assert f"drafter loaded at step {engine.stats.drafter_load_step + 1}" in engine.stats.summary()
+
+
+def test_a_one_shot_run_loads_only_what_its_drafts_may_repay(tmp_path, monkeypatch, capsys):
+    """Engine.from_config(defer_drafter=True), what `specav generate` builds: with no cost profile
+    cached it decodes target-only and says how to measure one; once a profile is cached (an engine
+    that loads at start measures it and records the drafter's load), the drafter is deferred and
+    its load priced at the recorded time."""
+    from specav.config import ModelConfig
+    from specav.engine.profile import PROFILE_FILE
+    from specav.models import packaged
+    from tests.tiny_models import save_tiny_checkpoint
+
+    monkeypatch.setattr(packaged, "cache_root", lambda: tmp_path / "cache")
+    target = save_tiny_checkpoint(tmp_path / "target", seed=0)
+    drafter = save_tiny_checkpoint(tmp_path / "drafter", seed=1)
+    spec = SpeculativeConfig(model=drafter, num_speculative_tokens=3, enable_adaptive_verification=True)
+    config = EngineConfig(target=ModelConfig(path=target, dtype="fp32"), speculative=spec, max_batch_size=2)
+
+    first = Engine.from_config(config, defer_drafter=True)
+    assert first.num_slots == 0 and first.config.speculative is None  # target-only
+    assert "no cost profile" in capsys.readouterr().err and not (tmp_path / "cache" / PROFILE_FILE).exists()
+
+    eager = Engine.from_config(config)  # loads and profiles at start, keeps the load's time
+    assert isinstance(eager.drafter, DraftModelDrafter) and eager.planner.cost.draft_setup == 0.0
+    recorded = eager.planner.cost.profile.draft_load
+    assert recorded is not None and recorded > 0
+
+    later = Engine.from_config(config, defer_drafter=True)
+    assert isinstance(later.drafter, DeferredDrafter) and not later.drafter.loaded
+    assert later.planner.cost.draft_setup == later.drafter.setup_seconds == recorded
+    assert later.max_positions == eager.max_positions
+    greedy = SamplingParams(temperature=0, max_tokens=6)
+    assert [r.output_ids for r in later.generate([[3, 4, 5]], greedy)] == \
+        [r.output_ids for r in first.generate([[3, 4, 5]], greedy)]

@@ -30,6 +30,7 @@ EngineStats reports it on its own.
 from __future__ import annotations
 
 import dataclasses
+import sys
 import time
 from collections import deque
 from typing import Callable, Sequence
@@ -97,14 +98,17 @@ class Engine:
         return self.config.max_batch_size * (self.num_slots + 1)
 
     @classmethod
-    def from_config(cls, config: EngineConfig, refresh_profile: bool = False, defer_drafter: bool = True) -> "Engine":
+    def from_config(cls, config: EngineConfig, refresh_profile: bool = False, defer_drafter: bool = False) -> "Engine":
         """Load the target (and drafter, if speculative) named by the config; profile the stages for
         adaptive verification (cached per machine and models).
 
-        defer_drafter: under adaptive verification, where the cached profile knows what the
-        drafter's load takes, load it when a plan first drafts (drafting/deferred.py): a run whose
-        drafts never pay never loads it. A server passes False: its load belongs to its start, not
-        to the streams of the requests it is serving."""
+        defer_drafter (a one-shot run, `specav generate`): under adaptive verification, spend on the
+        drafter only what its drafts may repay. Where the cached profile knows what the drafter's
+        load takes, it is loaded when a plan first drafts (drafting/deferred.py), so a run whose
+        drafts never pay never loads it; where no profile is cached yet, the run decodes
+        target-only (measuring one takes minutes: 136 s for one request, 313 s for 16 on the AVX2
+        EPYC, more than a short run could win) and says that `specav profile` measures it. Servers
+        and `specav.LLM` load everything at start: a load mid-stream would stall every request."""
         from specav.engine.profile import PROFILE_FILE, cached_profile, load_or_profile, profile_key, record_draft_load
         from specav.models import packaged
 
@@ -129,6 +133,12 @@ class Engine:
         profile = None
         if adaptive and not refresh_profile:
             profile = cached_profile(key, cache, True, max_verify_tokens, config.max_batch_size)
+        if defer_drafter and adaptive and profile is None and not refresh_profile:
+            print("specav: adaptive verification has no cost profile for this machine and model pair yet, so "
+                  "this run decodes target-only; `specav profile` measures it once (a few minutes), after "
+                  "which runs draft where drafts pay", file=sys.stderr, flush=True)
+            return cls(target.model, target.tokenizer, None, dataclasses.replace(config, speculative=None),
+                       eos_token_ids(target))
         if defer_drafter and profile is not None and profile.draft_load is not None:
             drafter = DeferredDrafter(load_drafter, spec.method, target.model.vocab_size, profile.draft_load,
                                       _drafter_positions(spec.model, target),

@@ -88,7 +88,7 @@ def record_draft_load(cache_path: Path | None, key: str, seconds: float) -> None
     deferred load is priced at next time: drafting/deferred.py); nothing if none is cached."""
     cached = _read(cache_path).get(key) if cache_path is not None else None
     if cached is not None:
-        _write(cache_path, key, dataclasses.replace(CostProfile.from_dict(cached), draft_load=round(seconds, 3)))
+        _write(cache_path, key, dataclasses.replace(CostProfile.from_dict(cached), draft_load=seconds))
 
 
 def _covers(profile: CostProfile, drafting: bool, max_verify_tokens: int, max_draft_rows: int) -> bool:

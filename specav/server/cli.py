@@ -78,7 +78,7 @@ def _load(config, server: ServerConfig):
                                             config.speculative.num_speculative_tokens)
         if server.estimator_state:
             _check_state_early(server.estimator_state, identity)
-    engine = Engine.from_config(config, defer_drafter=False)  # a load mid-stream would stall every request
+    engine = Engine.from_config(config)
     if server.estimator_state and engine.scorer is not None:
         if estimator_state.load(server.estimator_state, engine.scorer, identity):
             logging.getLogger("specav.server").info("specav: restored the estimator's state from %s",
