@@ -183,7 +183,7 @@ def test_the_profile_separates_attention_from_the_token_curve():
     """Times built as a token curve plus 2 us per attended position (tokens x context) are split
     back into both: the per-position cost from short/long pairs timed back to back (a drift of
     the machine between pairs cancels), the curve from the short-context points less attention."""
-    from specav.engine.profile import LONG_CONTEXT, SHORT_CONTEXT, _fit, _one_request, _per_position
+    from specav.engine.profile import LONG_CONTEXT, SHORT_CONTEXT, _fit, _per_position
     from specav.types import attended
 
     base = {1: 0.030, 4: 0.045, 16: 0.075, 64: 0.25}
@@ -192,8 +192,10 @@ def test_the_profile_separates_attention_from_the_token_curve():
 
     pairs = [(timed(SHORT_CONTEXT + i, drift), timed(LONG_CONTEXT + i, drift)) for i, drift in enumerate((1.0, 1.3, 0.9))]
     assert _per_position(pairs) == pytest.approx(2e-6)
-    short = {t: s + 2e-6 * attended(t, SHORT_CONTEXT) for t, s in base.items()}
-    curve = _fit(short, _one_request, _per_position(pairs))
+    # each point taken over its own context (a shared request's context grows by a token a call)
+    short = {t: (s + 2e-6 * attended(t, SHORT_CONTEXT + i), attended(t, SHORT_CONTEXT + i))
+             for i, (t, s) in enumerate(base.items())}
+    curve = _fit(short, _per_position(pairs))
     assert curve.per_context == pytest.approx(2e-6)
     for t, s in base.items():
         assert curve(t) == pytest.approx(s)

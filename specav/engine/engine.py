@@ -106,7 +106,7 @@ class Engine:
         drafter only what its drafts may repay. Where the cached profile knows what the drafter's
         load takes, it is loaded when a plan first drafts (drafting/deferred.py), so a run whose
         drafts never pay never loads it; where no profile is cached yet, the run decodes
-        target-only (measuring one takes minutes: 136 s for one request, 313 s for 16 on the AVX2
+        target-only (measuring one takes minutes: 97 s for one request, 179 s for 16 on the AVX2
         EPYC, more than a short run could win) and says that `specav profile` measures it. Servers
         and `specav.LLM` load everything at start: a load mid-stream would stall every request."""
         from specav.engine.profile import PROFILE_FILE, cached_profile, load_or_profile, profile_key, record_draft_load

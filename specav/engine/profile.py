@@ -109,8 +109,13 @@ def measure_profile(verifier: TargetVerifier, drafter: Drafter | None, max_verif
     DRAFT_ROWS (up to max_draft_rows), median of REPEATS each, on a SHORT_CONTEXT-token context;
     the draft stage also at a CATCH_UP-token forward of one request (what a catch-up costs, past
     the rows measured). Attention's seconds per attended position: the ATTENTION_TOKENS verify and
-    the catch-up once more over LONG_CONTEXT; the curves keep the rest (each point less its
-    attention over the short context)."""
+    the catch-up once more over LONG_CONTEXT; the curves keep the rest (each point less the
+    attention it measured).
+
+    The contexts are prefilled once and shared: every verify size runs on one request, every row
+    count on the first rows of one pool of requests (each call adds a token to what they cache, and
+    each point is taken less the attention it did). Prefilling a context per size was most of the
+    measurement: 136 s for one request and 313 s for 16 on the AVX2 EPYC, 97 s and 179 s shared."""
     gen = torch.Generator().manual_seed(0)
     vocab = verifier.model.vocab_size
     verify_sizes = [t for t in VERIFY_TOKENS if t <= max(1, max_verify_tokens)]
@@ -121,20 +126,30 @@ def measure_profile(verifier: TargetVerifier, drafter: Drafter | None, max_verif
               file=sys.stderr, flush=True)
     started = time.perf_counter()
     warmup = ThreadChoice.warmup_forwards(torch.get_num_threads())  # a model's thread policy tries each
-    for t in _one_per_group(verify_sizes):  # count first, per row-count group
-        _time_verify(verifier, t, SHORT_CONTEXT, vocab, gen, warmup)
-    for a in _one_per_group(draft_sizes):
-        _time_draft(drafter, a, SHORT_CONTEXT, vocab, gen, warmup)
-    if draft_sizes:
-        _time_catch_up(drafter, CATCH_UP, SHORT_CONTEXT, vocab, gen, warmup)
-    verify = {t: _time_verify(verifier, t, SHORT_CONTEXT, vocab, gen) for t in verify_sizes}
-    t = max(s for s in verify_sizes if s <= ATTENTION_TOKENS)
-    verify_curve = _fit(verify, _one_request, _verify_attention(verifier, t, vocab, gen))
-    draft_curve = None
-    if drafter is not None:
-        draft = {a: _time_draft(drafter, a, SHORT_CONTEXT, vocab, gen) for a in draft_sizes}
-        draft[CATCH_UP] = _time_catch_up(drafter, CATCH_UP, SHORT_CONTEXT, vocab, gen)  # past DRAFT_ROWS
-        draft_curve = _fit(draft, _draft_attention, _catch_up_attention(drafter, CATCH_UP, vocab, gen))
+    short = _dummy_requests(1, SHORT_CONTEXT, vocab, gen, "profile-short")[0]
+    pool = _dummy_requests(max(draft_sizes, default=0), SHORT_CONTEXT, vocab, gen, "profile-row")
+    try:
+        _timed_verify(verifier, short, [])  # its context, for every verify below
+        if pool:
+            _prefill_drafter(drafter, pool)
+        for t in _one_per_group(verify_sizes):  # count first, per row-count group
+            _time_verify(verifier, short, t, vocab, gen, warmup)
+        for a in _one_per_group(draft_sizes):
+            _time_draft(drafter, pool[:a], warmup)
+        if draft_sizes:
+            _time_catch_up(drafter, CATCH_UP, SHORT_CONTEXT, vocab, gen, warmup)
+        verify = {t: _time_verify(verifier, short, t, vocab, gen) for t in verify_sizes}
+        t = max(s for s in verify_sizes if s <= ATTENTION_TOKENS)
+        verify_curve = _fit(verify, _verify_attention(verifier, short, t, vocab, gen))
+        draft_curve = None
+        if drafter is not None:
+            draft = {a: _time_draft(drafter, pool[:a]) for a in draft_sizes}
+            draft[CATCH_UP] = _time_catch_up(drafter, CATCH_UP, SHORT_CONTEXT, vocab, gen)  # past DRAFT_ROWS
+            draft_curve = _fit(draft, _catch_up_attention(drafter, CATCH_UP, vocab, gen))
+    finally:
+        verifier.release(short)
+        for r in pool:
+            drafter.release(r)
     if progress:
         print(f"specav: profiled in {time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
     return CostProfile(verify_curve, draft_curve, key)
@@ -148,21 +163,11 @@ def _one_per_group(sizes: list[int]) -> list[int]:
     return list(firsts.values())
 
 
-def _one_request(tokens: int, context: int) -> int:
-    """Positions a measured verify attends to: one request's `tokens` over `context`."""
-    return attended(tokens, context)
-
-
-def _draft_attention(rows: int, context: int) -> int:
-    """Positions a measured drafter forward attends to: `rows` requests' one token each, or the catch-up."""
-    return attended(CATCH_UP, context) if rows == CATCH_UP else rows * attended(1, context)
-
-
-def _fit(short: dict[int, float], attention, per_position: float) -> CostCurve:
-    """A curve from points measured over SHORT_CONTEXT, each less its attention (attention(size,
-    context): the positions a measured point attends to), plus attention's seconds per position."""
+def _fit(points: dict[int, tuple[float, float]], per_position: float) -> CostCurve:
+    """A curve from measured points, size -> (seconds, positions attended), each less its attention,
+    plus attention's seconds per position."""
     per_position = max(0.0, per_position)
-    rest = {size: max(0.0, s - per_position * attention(size, SHORT_CONTEXT)) for size, s in short.items()}
+    rest = {size: max(0.0, s - per_position * positions) for size, (s, positions) in points.items()}
     return CostCurve.fit(rest, per_position)
 
 
@@ -172,36 +177,35 @@ def _per_position(pairs: list[tuple[tuple[float, int], tuple[float, int]]]) -> f
     return statistics.median((long[0] - short[0]) / (long[1] - short[1]) for short, long in pairs)
 
 
-def _paired(release, prefill, time_one, vocab: int, gen: torch.Generator, repeats: int) -> float:
-    """Attention's seconds per attended position of one stage: a request over SHORT_CONTEXT and one
-    over LONG_CONTEXT, each prefilled, then timed back to back `repeats` times (time_one(request)
-    -> (seconds, positions attended))."""
-    short, long = _dummy_requests(1, SHORT_CONTEXT, vocab, gen)[0], _dummy_requests(1, LONG_CONTEXT, vocab, gen)[0]
-    short.request_id, long.request_id = "profile-short", "profile-long"
-    try:
-        for r in (short, long):
-            prefill(r)
-        return _per_position([(time_one(short), time_one(long)) for _ in range(repeats)])
-    finally:
-        release(short)
-        release(long)
-
-
-def _verify_attention(verifier: TargetVerifier, tokens: int, vocab: int, gen: torch.Generator,
+def _verify_attention(verifier: TargetVerifier, short: Request, tokens: int, vocab: int, gen: torch.Generator,
                       repeats: int = 7) -> float:
-    """The verify stage's seconds per attended position, from `tokens`-token verifies."""
+    """The verify stage's seconds per attended position, from `tokens`-token verifies of the short
+    request and of one over LONG_CONTEXT, timed back to back."""
     def time_one(r: Request) -> tuple[float, int]:
         context = verifier.shapes([r])[0].context
         slots = torch.randint(0, vocab, (tokens - 1,), generator=gen).tolist()
         return _timed_verify(verifier, r, slots), attended(tokens, context)
 
-    return _paired(verifier.release, lambda r: _timed_verify(verifier, r, []), time_one, vocab, gen, repeats)
+    long = _dummy_requests(1, LONG_CONTEXT, vocab, gen, "profile-long")[0]
+    try:
+        _timed_verify(verifier, long, [])
+        return _per_position([(time_one(short), time_one(long)) for _ in range(repeats)])
+    finally:
+        verifier.release(long)
 
 
 def _catch_up_attention(drafter: Drafter, tokens: int, vocab: int, gen: torch.Generator, repeats: int = 7) -> float:
-    """The draft stage's seconds per attended position, from `tokens`-token catch-ups."""
-    return _paired(drafter.release, lambda r: _prefill_drafter(drafter, r),
-                   lambda r: _timed_catch_up(drafter, r, tokens, vocab, gen), vocab, gen, repeats)
+    """The draft stage's seconds per attended position, from `tokens`-token catch-ups over
+    SHORT_CONTEXT and LONG_CONTEXT, timed back to back."""
+    short = _dummy_requests(1, SHORT_CONTEXT, vocab, gen, "profile-short-draft")[0]
+    long = _dummy_requests(1, LONG_CONTEXT, vocab, gen, "profile-long")[0]
+    try:
+        _prefill_drafter(drafter, [short, long])
+        return _per_position([(_timed_catch_up(drafter, short, tokens, vocab, gen),
+                               _timed_catch_up(drafter, long, tokens, vocab, gen)) for _ in range(repeats)])
+    finally:
+        drafter.release(short)
+        drafter.release(long)
 
 
 def _timed_verify(verifier: TargetVerifier, request: Request, slots: list[int]) -> float:
@@ -214,9 +218,11 @@ def _timed_verify(verifier: TargetVerifier, request: Request, slots: list[int]) 
     return seconds
 
 
-def _prefill_drafter(drafter: Drafter, request: Request) -> None:
-    """Feed a request's prompt to the drafter (one drafted slot, rejected)."""
-    drafter.commit([request], drafter.propose([request], [1]), AcceptResult(torch.zeros(1, dtype=torch.int64), [[0]]))
+def _prefill_drafter(drafter: Drafter, requests: list[Request]) -> None:
+    """Feed requests' prompts to the drafter (one drafted slot each, rejected), in one forward."""
+    n = len(requests)
+    drafter.commit(requests, drafter.propose(requests, [1] * n),
+                   AcceptResult(torch.zeros(n, dtype=torch.int64), [[0]] * n))
 
 
 def _timed_catch_up(drafter: Drafter, request: Request, tokens: int, vocab: int, gen: torch.Generator
@@ -233,55 +239,53 @@ def _timed_catch_up(drafter: Drafter, request: Request, tokens: int, vocab: int,
     return seconds, drafts.forwards[0][1]
 
 
-def _dummy_requests(n: int, context: int, vocab: int, gen: torch.Generator) -> list[Request]:
+def _dummy_requests(n: int, context: int, vocab: int, gen: torch.Generator, name: str = "profile") -> list[Request]:
     return [Request(torch.randint(0, vocab, (context,), generator=gen).tolist(), _PARAMS,
-                    request_id=f"profile-{i}") for i in range(n)]
+                    request_id=f"{name}-{i}") for i in range(n)]
 
 
-def _time_verify(verifier: TargetVerifier, tokens: int, context: int, vocab: int, gen: torch.Generator,
-                 repeats: int = REPEATS) -> float:
-    """Median seconds of verify over one request's pending token + tokens - 1 admitted slots."""
-    request = _dummy_requests(1, context, vocab, gen)[0]
+def _time_verify(verifier: TargetVerifier, request: Request, tokens: int, vocab: int, gen: torch.Generator,
+                 repeats: int = REPEATS) -> tuple[float, float]:
+    """Median seconds of verifying the (prefilled) request's pending token + tokens - 1 slots, and
+    the positions those verifies attended to (their median)."""
     slots = torch.randint(0, vocab, (tokens - 1,), generator=gen).tolist()
-    try:
-        times = [_timed_verify(verifier, request, slots) for _ in range(repeats + 1)]
-        return statistics.median(times[1:])  # the first call prefills the context
-    finally:
-        verifier.release(request)
+    times, positions = [], []
+    for _ in range(repeats):
+        positions.append(attended(tokens, verifier.shapes([request])[0].context))
+        times.append(_timed_verify(verifier, request, slots))
+    return statistics.median(times), statistics.median(positions)
 
 
-def _time_draft(drafter: Drafter, rows: int, context: int, vocab: int, gen: torch.Generator,
-                repeats: int = REPEATS) -> float:
-    """Median seconds of one drafting slot of `rows` requests, one pending token each."""
-    requests = _dummy_requests(rows, context, vocab, gen)
-    try:
-        times = []
-        for repeat in range(repeats + 1):  # the first call prefills the contexts
-            start = time.perf_counter()
-            drafts = drafter.propose(requests, [1] * rows)
-            if repeat:
-                times.append(time.perf_counter() - start)
-            last = drafts.token_ids[:, 0].tolist()
-            drafter.commit(requests, drafts, AcceptResult(torch.zeros(rows, dtype=torch.int64), [[t] for t in last]))
-        return statistics.median(times)
-    finally:
-        for r in requests:
-            drafter.release(r)
+def _time_draft(drafter: Drafter, requests: list[Request], repeats: int = REPEATS) -> tuple[float, float]:
+    """Median seconds of one drafting slot of the (prefilled) requests, one pending token each, and
+    the positions those forwards attended to (their median)."""
+    rows = len(requests)
+    times, positions = [], []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        drafts = drafter.propose(requests, [1] * rows)
+        times.append(time.perf_counter() - start)
+        positions.append(drafts.forwards[0][1])
+        last = drafts.token_ids[:, 0].tolist()
+        drafter.commit(requests, drafts, AcceptResult(torch.zeros(rows, dtype=torch.int64), [[t] for t in last]))
+    return statistics.median(times), statistics.median(positions)
 
 
 def _time_catch_up(drafter: Drafter, tokens: int, context: int, vocab: int, gen: torch.Generator,
-                   repeats: int = REPEATS) -> float:
+                   repeats: int = REPEATS) -> tuple[float, float]:
     """Median seconds of one drafting slot of one request with `tokens` pending tokens (it skipped
-    tokens - 1 steps) over a cached context."""
-    times = []
-    for repeat in range(repeats):
-        request = _dummy_requests(1, context, vocab, gen)[0]
+    tokens - 1 steps) over a cached context, and the positions it attended to (their median)."""
+    times, positions = [], []
+    for _ in range(repeats):
+        request = _dummy_requests(1, context, vocab, gen, "profile-catch-up")[0]
         try:
-            _prefill_drafter(drafter, request)
-            times.append(_timed_catch_up(drafter, request, tokens, vocab, gen)[0])
+            _prefill_drafter(drafter, [request])
+            seconds, attended_positions = _timed_catch_up(drafter, request, tokens, vocab, gen)
+            times.append(seconds)
+            positions.append(attended_positions)
         finally:
             drafter.release(request)
-    return statistics.median(times)
+    return statistics.median(times), statistics.median(positions)
 
 
 def format_profile(profile: CostProfile) -> str:
