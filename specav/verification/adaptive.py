@@ -271,6 +271,12 @@ class AdaptivePlanner:
             or float(torch.rand(1, generator=self.generator, dtype=torch.float64)) < self.config.control_share)
         if self._control:  # the whole batch decodes target-only (see the module docstring)
             return DraftPlan([0] * b, None, torch.zeros(b, dtype=torch.bool), price, tuple(shapes))
+        rate = self.config.min_speedup * self.target_only_rate(shapes)  # what a catch-up must beat
+        entry_row = self._draft_row(len(shapes))
+        cold_start = self._cold_start(requests, max_slots, shapes, rate, entry_row)
+        if not cold_start and not any(self._known(self._history(r)) for r in requests):
+            # nothing known of these requests, and learning would not pay: no draft, nothing to draw
+            return DraftPlan([0] * b, None, torch.zeros(b, dtype=torch.bool), price, tuple(shapes))
         explore = torch.rand(b, generator=self.generator, dtype=torch.float64) < \
             self.exploration_probability(shapes)
         explore &= torch.tensor([m > 0 and s.draft_pending <= _CAUGHT_UP for m, s in zip(max_slots, shapes)],
@@ -278,10 +284,8 @@ class AdaptivePlanner:
         num_slots = [0] * b
         forced: list[int] = []
         candidates: list[int] = []
-        rate = self.config.min_speedup * self.target_only_rate(shapes)  # what a catch-up must beat
-        entry_row = self._draft_row(len(shapes))
         pending = sum(s.pending for s in shapes)  # tokens the target verifies before any slot
-        for i in self._cold_start(requests, max_slots, shapes, rate, entry_row):
+        for i in cold_start:
             forced.append(i)
             num_slots[i] = max_slots[i]
             explore[i] = True  # its whole block is drafted and verified
@@ -469,6 +473,9 @@ class AdaptivePlanner:
 
     def plan(self, drafts: DraftBatch, scores: Scores, draft_plan: DraftPlan) -> Plan:
         counts = drafts.num_drafted  # [B]
+        if not drafts.layout.total:  # a target-only step: nothing to rank
+            return Plan.of(drafts, counts, self.cost.predict(drafts.forwards, draft_plan.pending_tokens,
+                                                             sum(s.attended() for s in draft_plan.shapes)))
         explore = draft_plan.explore if draft_plan.explore is not None else torch.zeros_like(counts, dtype=torch.bool)
         admitted = torch.where(explore, counts, torch.zeros_like(counts))  # [B]
         verify_tokens = draft_plan.pending_tokens + int(admitted.sum())
