@@ -21,6 +21,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -106,7 +107,8 @@ def _covers(profile: CostProfile, drafting: bool, max_verify_tokens: int, max_dr
 def measure_profile(verifier: TargetVerifier, drafter: Drafter | None, max_verify_tokens: int,
                     max_draft_rows: int, key: str = "", progress: bool = True) -> CostProfile:
     """Time the verify stage at VERIFY_TOKENS (up to max_verify_tokens) and the draft stage at
-    DRAFT_ROWS (up to max_draft_rows), median of REPEATS each, on a SHORT_CONTEXT-token context;
+    DRAFT_ROWS (up to max_draft_rows), median of REPEATS each taken in rounds over the sizes (so a
+    slow minute does not bend the curve's shape), on a SHORT_CONTEXT-token context;
     the draft stage also at a CATCH_UP-token forward of one request (what a catch-up costs, past
     the rows measured). Attention's seconds per attended position: the ATTENTION_TOKENS verify and
     the catch-up once more over LONG_CONTEXT; the curves keep the rest (each point less the
@@ -132,18 +134,20 @@ def measure_profile(verifier: TargetVerifier, drafter: Drafter | None, max_verif
         _timed_verify(verifier, short, [])  # its context, for every verify below
         if pool:
             _prefill_drafter(drafter, pool)
+        verifies = {t: _verify_timer(verifier, short, t, vocab, gen) for t in verify_sizes}
+        drafts = {a: _draft_timer(drafter, pool[:a]) for a in draft_sizes}
         for t in _one_per_group(verify_sizes):  # count first, per row-count group
-            _time_verify(verifier, short, t, vocab, gen, warmup)
+            _rounds({t: verifies[t]}, warmup)
         for a in _one_per_group(draft_sizes):
-            _time_draft(drafter, pool[:a], warmup)
+            _rounds({a: drafts[a]}, warmup)
         if draft_sizes:
             _time_catch_up(drafter, CATCH_UP, SHORT_CONTEXT, vocab, gen, warmup)
-        verify = {t: _time_verify(verifier, short, t, vocab, gen) for t in verify_sizes}
+        verify = _rounds(verifies)
         t = max(s for s in verify_sizes if s <= ATTENTION_TOKENS)
         verify_curve = _fit(verify, _verify_attention(verifier, short, t, vocab, gen))
         draft_curve = None
         if drafter is not None:
-            draft = {a: _time_draft(drafter, pool[:a]) for a in draft_sizes}
+            draft = _rounds(drafts)
             draft[CATCH_UP] = _time_catch_up(drafter, CATCH_UP, SHORT_CONTEXT, vocab, gen)  # past DRAFT_ROWS
             draft_curve = _fit(draft, _catch_up_attention(drafter, CATCH_UP, vocab, gen))
     finally:
@@ -244,31 +248,44 @@ def _dummy_requests(n: int, context: int, vocab: int, gen: torch.Generator, name
                     request_id=f"{name}-{i}") for i in range(n)]
 
 
-def _time_verify(verifier: TargetVerifier, request: Request, tokens: int, vocab: int, gen: torch.Generator,
-                 repeats: int = REPEATS) -> tuple[float, float]:
-    """Median seconds of verifying the (prefilled) request's pending token + tokens - 1 slots, and
-    the positions those verifies attended to (their median)."""
+def _rounds(timers: dict[int, Callable[[], tuple[float, float]]], repeats: int = REPEATS) -> dict[int, tuple[float, float]]:
+    """Per size, the median seconds and positions attended of `repeats` calls of its timer, the sizes
+    taking turns round by round: a slow minute falls on every size alike, not on the sizes measured
+    in it (the curve's shape, not its level, is what the planner's rules weigh; the online scales
+    follow the level)."""
+    samples: dict[int, list[tuple[float, float]]] = {size: [] for size in timers}
+    for _ in range(repeats):
+        for size, timer in timers.items():
+            samples[size].append(timer())
+    return {size: (statistics.median(s for s, _ in got), statistics.median(a for _, a in got))
+            for size, got in samples.items()}
+
+
+def _verify_timer(verifier: TargetVerifier, request: Request, tokens: int, vocab: int, gen: torch.Generator
+                  ) -> Callable[[], tuple[float, float]]:
+    """One verify of the (prefilled) request's pending token + tokens - 1 slots: (seconds, positions attended)."""
     slots = torch.randint(0, vocab, (tokens - 1,), generator=gen).tolist()
-    times, positions = [], []
-    for _ in range(repeats):
-        positions.append(attended(tokens, verifier.shapes([request])[0].context))
-        times.append(_timed_verify(verifier, request, slots))
-    return statistics.median(times), statistics.median(positions)
+
+    def timer() -> tuple[float, float]:
+        positions = attended(tokens, verifier.shapes([request])[0].context)
+        return _timed_verify(verifier, request, slots), positions
+
+    return timer
 
 
-def _time_draft(drafter: Drafter, requests: list[Request], repeats: int = REPEATS) -> tuple[float, float]:
-    """Median seconds of one drafting slot of the (prefilled) requests, one pending token each, and
-    the positions those forwards attended to (their median)."""
+def _draft_timer(drafter: Drafter, requests: list[Request]) -> Callable[[], tuple[float, float]]:
+    """One drafting slot of the (prefilled) requests, one pending token each: (seconds, positions attended)."""
     rows = len(requests)
-    times, positions = [], []
-    for _ in range(repeats):
+
+    def timer() -> tuple[float, float]:
         start = time.perf_counter()
         drafts = drafter.propose(requests, [1] * rows)
-        times.append(time.perf_counter() - start)
-        positions.append(drafts.forwards[0][1])
+        seconds = time.perf_counter() - start
         last = drafts.token_ids[:, 0].tolist()
         drafter.commit(requests, drafts, AcceptResult(torch.zeros(rows, dtype=torch.int64), [[t] for t in last]))
-    return statistics.median(times), statistics.median(positions)
+        return seconds, drafts.forwards[0][1]
+
+    return timer
 
 
 def _time_catch_up(drafter: Drafter, tokens: int, context: int, vocab: int, gen: torch.Generator,
