@@ -103,6 +103,11 @@ class Request:
         return self.finish_reason is not None
 
     @property
+    def num_tokens(self) -> int:
+        """Its sequence so far: prompt and output tokens."""
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
     def remaining(self) -> int:
         return self.params.max_tokens - len(self.output_ids)
 

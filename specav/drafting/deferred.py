@@ -64,7 +64,7 @@ class DeferredDrafter:
     def pending_tokens(self, requests: Sequence[Request]) -> list[int]:
         if self._drafter is not None:
             return self._drafter.pending_tokens(requests)
-        return [len(r.prompt_ids) + len(r.output_ids) for r in requests]  # all of it: nothing was fed
+        return [r.num_tokens for r in requests]  # all of it: nothing was fed
 
     def commit(self, requests: Sequence[Request], drafts: DraftBatch, result: AcceptResult) -> None:
         if self._drafter is not None:

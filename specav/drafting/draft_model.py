@@ -118,8 +118,8 @@ class DraftModelDrafter:
                           torch.stack(flat_hidden) if flat_hidden else None, forwards)
 
     def pending_tokens(self, requests: Sequence[Request]) -> list[int]:
-        return [len(self._states[r.request_id].pending) if r.request_id in self._states else
-                len(r.prompt_ids) + len(r.output_ids) for r in requests]
+        return [len(self._states[r.request_id].pending) if r.request_id in self._states else r.num_tokens
+                for r in requests]
 
     def _features(self, tails: Tails, probs: TokenProbs, tokens: torch.Tensor) -> dict[str, torch.Tensor]:
         """Every logged feature of A slots # [A]: from temperature-scaled, untruncated logits (their

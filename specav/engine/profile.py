@@ -185,15 +185,11 @@ def _verify_attention(verifier: TargetVerifier, short: Request, tokens: int, voc
                       repeats: int = 7) -> float:
     """The verify stage's seconds per attended position, from `tokens`-token verifies of the short
     request and of one over LONG_CONTEXT, timed back to back."""
-    def time_one(r: Request) -> tuple[float, int]:
-        context = verifier.shapes([r])[0].context
-        slots = torch.randint(0, vocab, (tokens - 1,), generator=gen).tolist()
-        return _timed_verify(verifier, r, slots), attended(tokens, context)
-
     long = _dummy_requests(1, LONG_CONTEXT, vocab, gen, "profile-long")[0]
     try:
         _timed_verify(verifier, long, [])
-        return _per_position([(time_one(short), time_one(long)) for _ in range(repeats)])
+        over_short, over_long = (_verify_timer(verifier, r, tokens, vocab, gen) for r in (short, long))
+        return _per_position([(over_short(), over_long()) for _ in range(repeats)])
     finally:
         verifier.release(long)
 

@@ -172,6 +172,11 @@ def select_prefix(gains: Sequence[float], tokens: Sequence[int], committed_token
     return best_n
 
 
+def _no_draft(batch: int, price: float, shapes: Sequence[RequestShape]) -> DraftPlan:
+    """A step in which no request drafts."""
+    return DraftPlan([0] * batch, None, torch.zeros(batch, dtype=torch.bool), price, tuple(shapes))
+
+
 class _SurvivalStop:
     """The draft rule for one step: after each slot, which requests draft the next one."""
 
@@ -270,13 +275,12 @@ class AdaptivePlanner:
             not self.cost.plain_observations  # the first step after the cold start, until one is measured
             or float(torch.rand(1, generator=self.generator, dtype=torch.float64)) < self.config.control_share)
         if self._control:  # the whole batch decodes target-only (see the module docstring)
-            return DraftPlan([0] * b, None, torch.zeros(b, dtype=torch.bool), price, tuple(shapes))
+            return _no_draft(b, price, shapes)
         rate = self.config.min_speedup * self.target_only_rate(shapes)  # what a catch-up must beat
         entry_row = self._draft_row(len(shapes))
         cold_start = self._cold_start(requests, max_slots, shapes, rate, entry_row)
         if not cold_start and not any(self._known(self._history(r)) for r in requests):
-            # nothing known of these requests, and learning would not pay: no draft, nothing to draw
-            return DraftPlan([0] * b, None, torch.zeros(b, dtype=torch.bool), price, tuple(shapes))
+            return _no_draft(b, price, shapes)  # nothing known, and learning would not pay: nothing to draw
         explore = torch.rand(b, generator=self.generator, dtype=torch.float64) < \
             self.exploration_probability(shapes)
         explore &= torch.tensor([m > 0 and s.draft_pending <= _CAUGHT_UP for m, s in zip(max_slots, shapes)],
@@ -473,11 +477,18 @@ class AdaptivePlanner:
 
     def plan(self, drafts: DraftBatch, scores: Scores, draft_plan: DraftPlan) -> Plan:
         counts = drafts.num_drafted  # [B]
-        if not drafts.layout.total:  # a target-only step: nothing to rank
-            return Plan.of(drafts, counts, self.cost.predict(drafts.forwards, draft_plan.pending_tokens,
-                                                             sum(s.attended() for s in draft_plan.shapes)))
         explore = draft_plan.explore if draft_plan.explore is not None else torch.zeros_like(counts, dtype=torch.bool)
         admitted = torch.where(explore, counts, torch.zeros_like(counts))  # [B]
+        if drafts.layout.total:  # a step that drafted nothing has nothing to rank
+            self._admit(admitted, scores, draft_plan, counts, explore)
+        verify_tokens = draft_plan.pending_tokens + int(admitted.sum())
+        verify_attended = sum(s.attended(k) for s, k in zip(draft_plan.shapes, admitted.tolist()))
+        return Plan.of(drafts, admitted, self.cost.predict(drafts.forwards, verify_tokens, verify_attended))
+
+    def _admit(self, admitted: torch.Tensor, scores: Scores, draft_plan: DraftPlan, counts: torch.Tensor,
+               explore: torch.Tensor) -> None:
+        """The scan (see the module docstring): admits, in `admitted` # [B], each slot of the
+        non-exploring requests that pays, in descending survival."""
         verify_tokens = draft_plan.pending_tokens + int(admitted.sum())
         survival = torch.nan_to_num(scores.survival.to(torch.float64), nan=0.0)  # [B, K]
         shapes = draft_plan.shapes
@@ -491,8 +502,6 @@ class AdaptivePlanner:
                 continue
             admitted[b] = i + 1
             verify_tokens += 1
-        verify_attended = sum(s.attended(k) for s, k in zip(shapes, admitted.tolist()))
-        return Plan.of(drafts, admitted, self.cost.predict(drafts.forwards, verify_tokens, verify_attended))
 
     @staticmethod
     def _ranked_slots(survival: torch.Tensor, counts: torch.Tensor, explore: torch.Tensor):
