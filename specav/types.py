@@ -178,6 +178,8 @@ class StepRecord:
     verify_tokens: int  # tokens packed into the target's forward (pending tokens + admitted slots)
     verify_attended: int  # key positions the target's forward attended to (`attended`, summed over requests)
     prefill_tokens: int = 0  # prompt tokens of requests in their first step (prefilled by this step)
+    draft_reasons: tuple[str, ...] = ()  # per request, why the planner let it draft ("" = it did not)
+    draft_pending: tuple[int, ...] = ()  # per request, tokens its drafter had to feed before its first slot
 
     @property
     def confidences(self) -> torch.Tensor:  # [B, K]

@@ -199,7 +199,9 @@ def only(planner: AdaptivePlanner, rule: str) -> AdaptivePlanner:
         plan = original_draft_plan(requests, max_slots, shapes)
         num_slots = plan.num_slots if rule in ("no draft", "control", "all") else list(max_slots)
         stop = plan.stop_rule if rule in ("early stop", "all") else None
-        return DraftPlan(num_slots, stop, plan.explore, plan.price, plan.shapes)
+        reasons = plan.reasons if rule in ("no draft", "control", "all") else \
+            tuple(r or "rule" for r in plan.reasons)  # the others draft everything: say so
+        return DraftPlan(num_slots, stop, plan.explore, plan.price, plan.shapes, reasons)
 
     def plan(drafts, scores, draft_plan):
         if rule in ("admission", "all", "exploration"):
@@ -254,8 +256,12 @@ def test_engine_output_matches_the_target_with_each_adaptive_rule(pair, rule):
         assert stats.skipped > 0, "no request ever skipped drafting"
         assert any(probes), "no request ever probed"
         assert any(entries) and not all(entries), "the catch-up rule never decided both ways"
+        assert stats.by_reason["probe"].drafted > 0 and stats.by_reason["rule"].drafted > 0
+        assert stats.by_reason["probe"].fed > stats.by_reason["probe"].request_steps  # probes caught up
     if rule == "exploration":
         assert stats.admitted > 0 and stats.trimmed > 0  # explored blocks verified, the rest trimmed
+        explored = stats.by_reason["explore"]
+        assert explored.admitted == explored.drafted > 0  # whole blocks
     if rule in ("control", "all"):
         assert any(controls) and not all(controls), "control steps never (or always) happened"
     assert p > 1e-3

@@ -226,6 +226,7 @@ def test_cold_start_drafts_one_whole_block_the_cheapest_catch_up():
     assert plan.num_slots == [0, 4, 0]
     # its whole block is drafted and verified whatever its first slot's feature says (as exploring)
     assert plan.explore.tolist() == [False, True, False]
+    assert plan.reasons == ("", "cold start", "")  # what the stats count its slots under
     assert plan.stop_rule.keep_drafting(0, [1], {"logit_q_max": torch.tensor([-9.0])}).tolist() == [True]
     assert p.draft_plan(requests(3), [4, 0, 4], shapes).num_slots == [0, 0, 4]  # one at max_tokens
     p.population = FeatureSamples.of([6.0])  # once one has drafted, the population's features stand in for the rest
@@ -284,7 +285,8 @@ def test_a_due_probe_waits_for_its_budget_and_pays_its_catch_up():
     assert p.draft_plan([request], [4], [shape]).num_slots == [0]  # due, not covered: it waits
     assert p.history[request.request_id].probing
     p.probe_budget = 1.5 * price
-    assert p.draft_plan([request], [4], [shape]).num_slots == [4]
+    plan = p.draft_plan([request], [4], [shape])
+    assert plan.num_slots == [4] and plan.reasons == ("probe",)
     assert p.probe_budget == pytest.approx(0.5 * price)
 
 

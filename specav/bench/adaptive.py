@@ -49,6 +49,7 @@ from specav.config import AdaptiveConfig, EngineConfig, SamplingParams, Speculat
 from specav.drafting import DraftModelDrafter
 from specav.engine.engine import Engine, eos_token_ids
 from specav.engine.profile import PROFILE_FILE, load_or_profile, profile_key
+from specav.engine.stats import DraftCounts
 from specav.evaluation.workloads import load_workload
 from specav.models import check_same_vocabulary, load_checkpoint, packaged
 from specav.models.native.probe import cpu_model
@@ -85,11 +86,15 @@ class Run:
     predicted_seconds: float = 0.0  # AV only: its cost model's step times, summed (against measured)
     measured_seconds: float = 0.0
     replay: list[_Step] = field(default_factory=list)
+    by_reason: dict[str, DraftCounts] = field(default_factory=dict)  # AV: why requests drafted -> their slots
 
     def merge(self, other: "Run") -> "Run":
         """This run and another of the same method taken together (rounds of a cell)."""
+        by_reason = {k: self.by_reason.get(k, DraftCounts()) + other.by_reason.get(k, DraftCounts())
+                     for k in {**self.by_reason, **other.by_reason}}
         return Run(self.method, **{f.name: getattr(self, f.name) + getattr(other, f.name)
-                                   for f in fields(Run) if f.name != "method"})
+                                   for f in fields(Run) if f.name not in ("method", "by_reason")},
+                   by_reason=by_reason)
 
     @property
     def tps(self) -> float:
@@ -164,6 +169,7 @@ def run(target, drafter, method: str, k: int, adaptive: bool, prompts: list[list
     result.tokens, result.steps = stats.emitted_tokens, stats.steps
     result.drafted, result.admitted, result.skipped = stats.drafted, stats.admitted, stats.skipped
     result.planning_seconds = counter[0]
+    result.by_reason = dict(stats.by_reason)
     return result
 
 
@@ -248,6 +254,8 @@ def print_cell(workload: str, concurrency: int, cell: dict[str, Run]) -> None:
           f"per step, {100 * share:.2f}% of AV's time; its decoding steps predicted at "
           f"{av.predicted_seconds / max(av.measured_seconds, 1e-9):.2f}x their measured time; "
           + "; ".join(goals(cell, concurrency)), flush=True)
+    for reason, counts in sorted(av.by_reason.items()):
+        print(f"{'':<12} AV drafted for {reason}: {counts}", flush=True)
 
 
 def plot(results: dict[tuple[str, int], dict[str, Run]], path: str) -> None:

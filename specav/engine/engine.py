@@ -225,7 +225,8 @@ class Engine:
         record = StepRecord(self.stats.steps, batch, drafts, scores, plan, result, clock.times(), max_slots,
                             sum(s.pending for s in shapes) + plan.admitted.total,
                             sum(s.attended(k) for s, k in zip(shapes, plan.num_admitted.tolist())),
-                            sum(s.pending for s, r in zip(shapes, batch) if not r.output_ids))
+                            sum(s.pending for s, r in zip(shapes, batch) if not r.output_ids),
+                            draft_plan.reasons, tuple(s.draft_pending for s in shapes))
         self._observe(record)
         return ended + self._commit(record, clock)
 

@@ -14,6 +14,24 @@ from specav.types import StepRecord
 
 
 @dataclass(slots=True)
+class DraftCounts:
+    """What the requests that drafted for one reason (DraftPlan.reasons) drafted and bought."""
+
+    request_steps: int = 0
+    drafted: int = 0
+    admitted: int = 0
+    accepted: int = 0
+    fed: int = 0  # tokens their drafters fed before the first slot (more than 1-2: a catch-up)
+
+    def __add__(self, other: "DraftCounts") -> "DraftCounts":
+        return DraftCounts(*(getattr(self, f) + getattr(other, f) for f in self.__slots__))
+
+    def __str__(self) -> str:
+        return (f"{self.request_steps} request-steps, {self.drafted} drafted, {self.admitted} verified, "
+                f"{self.accepted} accepted, {self.fed - self.request_steps} caught up")
+
+
+@dataclass(slots=True)
 class EngineStats:
     num_slots: int
     steps: int = 0  # engine steps
@@ -32,6 +50,7 @@ class EngineStats:
     predicted_measured_seconds: float = 0.0  # what those steps measured (same stages)
     drafter_load_seconds: float = 0.0  # a deferred drafter's load, paid in a step but not counted in `seconds`
     drafter_load_step: int | None = None  # the step it was paid in
+    by_reason: dict[str, DraftCounts] = field(default_factory=dict)  # why requests drafted -> what they did
     reached: torch.Tensor = field(init=False)  # [K] slots verified with all earlier slots accepted
     accepted_at: torch.Tensor = field(init=False)  # [K] of those, accepted
 
@@ -50,6 +69,7 @@ class EngineStats:
         self.admitted += int(num_admitted.sum())
         self.accepted += int(num_accepted.sum())
         self.skipped += record.num_skipped
+        self._count_reasons(record)
         self.seconds += seconds
         if record.drafts.setup_seconds:
             self.drafter_load_seconds += record.drafts.setup_seconds
@@ -67,6 +87,19 @@ class EngineStats:
         reached = (pos[None, :] <= num_admitted[:, None]) & (pos[None, :] <= num_accepted[:, None] + 1)
         self.reached += reached.sum(0)
         self.accepted_at += (pos[None, :] <= num_accepted[:, None]).sum(0)
+
+    def _count_reasons(self, record: StepRecord) -> None:
+        drafted, admitted = record.drafts.num_drafted.tolist(), record.num_admitted.tolist()
+        accepted = record.num_accepted.tolist()
+        for b, reason in enumerate(record.draft_reasons):
+            if not reason or not drafted[b]:
+                continue
+            counts = self.by_reason.setdefault(reason, DraftCounts())
+            counts.request_steps += 1
+            counts.drafted += drafted[b]
+            counts.admitted += admitted[b]
+            counts.accepted += accepted[b]
+            counts.fed += record.draft_pending[b] if record.draft_pending else 1
 
     @property
     def trimmed(self) -> int:
@@ -105,6 +138,10 @@ class EngineStats:
             text += (f", slots drafted {self.drafted} admitted {self.admitted} trimmed {self.trimmed} "
                      f"accepted {self.accepted}, drafting skipped {self.skipped}x, "
                      f"acceptance per position [{per_pos}]")
+        if set(self.by_reason) - {"static"}:
+            text += ", drafted for " + ", ".join(
+                f"{reason}: {c.drafted} slots {c.accepted} accepted {c.fed - c.request_steps} tokens caught up"
+                for reason, c in sorted(self.by_reason.items()))
         if self.predicted_seconds:
             text += f", step time predicted/measured {self.predicted_seconds / self.predicted_measured_seconds:.2f}"
         if self.drafter_load_step is not None:

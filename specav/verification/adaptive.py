@@ -174,7 +174,7 @@ def select_prefix(gains: Sequence[float], tokens: Sequence[int], committed_token
 
 def _no_draft(batch: int, price: float, shapes: Sequence[RequestShape]) -> DraftPlan:
     """A step in which no request drafts."""
-    return DraftPlan([0] * batch, None, torch.zeros(batch, dtype=torch.bool), price, tuple(shapes))
+    return DraftPlan([0] * batch, None, torch.zeros(batch, dtype=torch.bool), price, tuple(shapes), ("",) * batch)
 
 
 class _SurvivalStop:
@@ -286,12 +286,14 @@ class AdaptivePlanner:
         explore &= torch.tensor([m > 0 and s.draft_pending <= _CAUGHT_UP for m, s in zip(max_slots, shapes)],
                                 dtype=torch.bool)
         num_slots = [0] * b
+        reasons = [""] * b
         forced: list[int] = []
         candidates: list[int] = []
         pending = sum(s.pending for s in shapes)  # tokens the target verifies before any slot
         for i in cold_start:
             forced.append(i)
             num_slots[i] = max_slots[i]
+            reasons[i] = "cold start"
             explore[i] = True  # its whole block is drafted and verified
         for i, (request, m) in enumerate(zip(requests, max_slots)):
             h = self._history(request)
@@ -299,10 +301,12 @@ class AdaptivePlanner:
                 continue
             if bool(explore[i]):
                 forced.append(i)
+                reasons[i] = "explore"
             elif h.probing:
                 if not self._pay_probe(shapes[i]):
                     continue  # due, but the budget does not cover its catch-up yet
                 forced.append(i)
+                reasons[i] = "probe"
             elif h.wait > 0:
                 h.wait -= 1
                 h.probing = h.wait == 0
@@ -313,15 +317,17 @@ class AdaptivePlanner:
                 continue
             else:
                 candidates.append(i)
+                reasons[i] = "rule"
             num_slots[i] = m
         chosen = self._choose_first_slot(requests, candidates, forced, price, shapes)
         for i in candidates:
             if i not in chosen:  # the no-draft decision: decode target-only for a while
                 num_slots[i] = 0
+                reasons[i] = ""
                 h = self._history(requests[i])
                 h.wait = h.interval
         stop = _SurvivalStop(self, explore.clone(), price, pending, shapes)
-        return DraftPlan(num_slots, stop, explore, price, tuple(shapes))
+        return DraftPlan(num_slots, stop, explore, price, tuple(shapes), tuple(reasons))
 
     def _cold_start(self, requests: Sequence[Request], max_slots: Sequence[int],
                     shapes: Sequence[RequestShape], rate: float, draft_row: float) -> list[int]:

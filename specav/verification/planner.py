@@ -54,6 +54,10 @@ class RequestShape:
         return max(0, self.context + self.pending - self.draft_pending)
 
 
+# why a request may draft this step (DraftPlan.reasons; the stats count the slots each bought)
+DRAFT_REASONS = ("static", "rule", "probe", "explore", "cold start")
+
+
 @dataclass(frozen=True, slots=True)
 class DraftPlan:
     """What the planner decided before drafting."""
@@ -63,6 +67,7 @@ class DraftPlan:
     explore: torch.Tensor | None = None  # [B] bool, requests that draft and verify their whole block
     price: float = math.nan  # tokens per second a second of compute must buy (the planner's lambda)
     shapes: tuple[RequestShape, ...] = ()  # the batch's requests before any slot (what verifying them costs)
+    reasons: tuple[str, ...] = ()  # per request, why it may draft (DRAFT_REASONS; "" = it does not draft)
 
     @property
     def pending_tokens(self) -> int:
@@ -112,7 +117,7 @@ class StaticPlanner:
 
     def draft_plan(self, requests: Sequence[Request], max_slots: Sequence[int],
                    shapes: Sequence[RequestShape]) -> DraftPlan:
-        return DraftPlan(list(max_slots))
+        return DraftPlan(list(max_slots), reasons=tuple("static" if m else "" for m in max_slots))
 
     def plan(self, drafts: DraftBatch, scores: Scores, draft_plan: DraftPlan) -> Plan:
         return Plan.of(drafts, drafts.num_drafted)
