@@ -44,6 +44,9 @@ class Ragged:
     @classmethod
     def of(cls, counts: Sequence[int] | torch.Tensor) -> "Ragged":
         k = torch.as_tensor(counts, dtype=torch.int64).reshape(-1)
+        if not bool(k.any()):  # no rows (a step that drafted or admitted nothing): nothing to lay out
+            none = torch.zeros(0, dtype=torch.int64)
+            return cls(k, torch.zeros_like(k), none, none)
         starts = torch.cumsum(k, 0) - k
         request = torch.repeat_interleave(torch.arange(k.shape[0]), k)
         return cls(k, starts, request, torch.arange(request.shape[0]) - starts[request])
@@ -60,6 +63,8 @@ class Ragged:
 
         lengths: # [B] int64, each <= counts[b].
         """
+        if not self.total:
+            return self.request
         lengths = torch.as_tensor(lengths, dtype=torch.int64)
         return (self.starts[self.request] + self.position)[self.position < lengths[self.request]]
 
