@@ -126,10 +126,24 @@ def test_a_one_shot_run_loads_only_what_its_drafts_may_repay(tmp_path, monkeypat
     assert first.num_slots == 0 and first.config.speculative is None  # target-only
     assert "no cost profile" in capsys.readouterr().err and not (tmp_path / "cache" / PROFILE_FILE).exists()
 
+    import specav.engine.engine as engine_module
+
+    loads, load_checkpoint = [], engine_module.load_checkpoint
+
+    def load(path, dtype, role):  # a machine's first drafter load writes caches later loads read: 2 s more
+        if role == "drafter":
+            loads.append(path)
+            if len(loads) == 1:
+                time.sleep(2.0)
+        return load_checkpoint(path, dtype, role=role)
+
+    monkeypatch.setattr(engine_module, "load_checkpoint", load)
     eager = Engine.from_config(config)  # loads and profiles at start, keeps the load's time
     assert isinstance(eager.drafter, DraftModelDrafter) and eager.planner.cost.draft_setup == 0.0
     recorded = eager.planner.cost.profile.draft_load
-    assert recorded is not None and recorded > 0
+    assert len(loads) == 2 and 0 < recorded < 2.0  # no load recorded yet: the second one is timed
+    recorded = Engine.from_config(config).planner.cost.profile.draft_load  # then one load, recorded
+    assert len(loads) == 3 and recorded > 0  # and what `later` is priced at
 
     later = Engine.from_config(config, defer_drafter=True)
     assert isinstance(later.drafter, DeferredDrafter) and not later.drafter.loaded
