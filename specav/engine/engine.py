@@ -149,7 +149,7 @@ class Engine:
             drafter, load_seconds = _timed(load_drafter)
             if adaptive and (profile is None or profile.draft_load is None):
                 # No load recorded yet: this one may have written what later loads read (the tokenizer's
-                # copy, the requantised weights: 48 s against about 10 s on the AMD EPYC), and a deferral
+                # copy, the requantised weights: 48 s against 8 s on the AMD EPYC), and a deferral
                 # is priced at a later load, so time one
                 drafter, load_seconds = _timed(load_drafter)
         engine = cls(target.model, target.tokenizer, drafter, config, eos_token_ids(target),
