@@ -28,7 +28,7 @@ class DraftCounts:
 
     def __str__(self) -> str:
         return (f"{self.request_steps} request-steps, {self.drafted} drafted, {self.admitted} verified, "
-                f"{self.accepted} accepted, {self.fed - self.request_steps} caught up")
+                f"{self.accepted} accepted, {self.fed - self.request_steps} tokens caught up")
 
 
 @dataclass(slots=True)
@@ -139,9 +139,7 @@ class EngineStats:
                      f"accepted {self.accepted}, drafting skipped {self.skipped}x, "
                      f"acceptance per position [{per_pos}]")
         if set(self.by_reason) - {"static"}:
-            text += ", drafted for " + ", ".join(
-                f"{reason}: {c.drafted} slots {c.accepted} accepted {c.fed - c.request_steps} tokens caught up"
-                for reason, c in sorted(self.by_reason.items()))
+            text += ", drafted for " + "; ".join(f"{reason}: {c}" for reason, c in sorted(self.by_reason.items()))
         if self.predicted_seconds:
             text += f", step time predicted/measured {self.predicted_seconds / self.predicted_measured_seconds:.2f}"
         if self.drafter_load_step is not None:

@@ -54,10 +54,6 @@ class RequestShape:
         return max(0, self.context + self.pending - self.draft_pending)
 
 
-# why a request may draft this step (DraftPlan.reasons; the stats count the slots each bought)
-DRAFT_REASONS = ("static", "rule", "probe", "explore", "cold start")
-
-
 @dataclass(frozen=True, slots=True)
 class DraftPlan:
     """What the planner decided before drafting."""
@@ -67,7 +63,9 @@ class DraftPlan:
     explore: torch.Tensor | None = None  # [B] bool, requests that draft and verify their whole block
     price: float = math.nan  # tokens per second a second of compute must buy (the planner's lambda)
     shapes: tuple[RequestShape, ...] = ()  # the batch's requests before any slot (what verifying them costs)
-    reasons: tuple[str, ...] = ()  # per request, why it may draft (DRAFT_REASONS; "" = it does not draft)
+    # per request, why it may draft: "static", "rule", "probe", "explore", "cold start" ("": it does
+    # not draft); the stats count the slots each reason bought (EngineStats.by_reason)
+    reasons: tuple[str, ...] = ()
 
     @property
     def pending_tokens(self) -> int:
