@@ -294,8 +294,12 @@ class AdaptiveConfig:
     rate_halflife: steps, half-life of each request's measured speed-up over target-only
         decoding; their mean over a step's requests prices a second of compute (the planner's
         lambda). Default 16.
-    cost_halflife: steps, half-life of the online correction of the profiled cost model (a
-        thermal change or a noisy neighbour is followed within a few half-lives). Default 8.
+    cost_halflife: steps, half-life of the level of the cost model's online correction (each
+        stage's measured / profiled time: a thermal change or a noisy neighbour is followed within
+        a few half-lives). Default 8.
+    cost_shape_halflife: observations of a profiled token count, half-life of the shape of the
+        online correction (what the level leaves unexplained at that count: a start-up profile's
+        wrong shape, learnt more slowly than the drift). Default 32.
     seed: seed of the exploration generator.
     """
 
@@ -307,6 +311,7 @@ class AdaptiveConfig:
     control_share: float = 0.02
     rate_halflife: float = 16.0
     cost_halflife: float = 8.0
+    cost_shape_halflife: float = 32.0
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -325,7 +330,7 @@ class AdaptiveConfig:
                self.probe_interval, "an integer >= 1")
         _check(isinstance(self.max_probe_interval, int) and self.max_probe_interval >= self.probe_interval, w,
                "max_probe_interval", self.max_probe_interval, f"an integer >= probe_interval ({self.probe_interval})")
-        for name in ("rate_halflife", "cost_halflife"):
+        for name in ("rate_halflife", "cost_halflife", "cost_shape_halflife"):
             value = getattr(self, name)
             _check(isinstance(value, (int, float)) and math.isfinite(value) and value > 0, w, name, value,
                    "a number of steps > 0")

@@ -23,13 +23,20 @@ from specav.verification.cost_model import CostCurve, CostModel, CostProfile
 from specav.verification.planner import PLANNERS, DraftPlan, StaticPlanner, RequestShape, make_planner
 
 V = 6
-FROZEN = 1e12  # a cost-model half-life so long that nothing measured moves it
+FROZEN = math.inf  # a cost-model half-life so long that nothing measured moves it
 
 
 def cost_model(verify_per_token: float = 0.1, draft_fixed: float = 0.2, draft_per_row: float = 0.02) -> CostModel:
     verify = CostCurve.fit({1: 1.0, 64: 1.0 + 63 * verify_per_token})
     draft = CostCurve.fit({1: draft_fixed + draft_per_row, 64: draft_fixed + 64 * draft_per_row})
     return CostModel(CostProfile(verify, draft), halflife=FROZEN)
+
+
+def slower_drafting_verify(cost: CostModel, factor: float) -> None:
+    """Make the cost model's drafting steps verify `factor` x slower than its plain steps (a premium)."""
+    curve = cost.profile.verify
+    cost.target.curves["verify"] = CostCurve.fit({t: factor * y for t, y in zip(curve.tokens, curve.seconds)},
+                                                 curve.per_context)
 
 
 def _decoding_record(batch, drafted, admitted, accepted, seconds):
@@ -444,8 +451,8 @@ def test_an_entry_is_judged_on_the_decoding_steps_it_pays_off_in_not_on_its_pref
     def enters(shape: RequestShape) -> int:
         p = planner(4)
         p.population = FeatureSamples.of([6.0])  # confident traffic
-        p.cost.plain_observations = 1
-        p.cost.log_scale["verify"] = math.log(1.3)  # drafting steps verify 1.3x slower than plain ones
+        p.cost.target.observations["plain"] = 1
+        slower_drafting_verify(p.cost, 1.3)  # drafting steps verify 1.3x slower than plain ones
         r = Request([1] * 150, SamplingParams(max_tokens=400), request_id="r")
         return p.draft_plan([r], [4], [shape]).num_slots[0]
 
@@ -498,37 +505,45 @@ def test_control_steps_decode_the_whole_batch_target_only_at_their_share():
 
 def test_target_only_is_priced_from_steps_that_drafted_nothing():
     """A slowdown that is not uniform: verifies of 9 tokens measured 2x their profile, plain
-    one-token steps 1.5x. The verify scale follows the 9-token steps; the target-only rate (the
-    price) follows the plain steps, and before any plain step it stands in with the verify scale
-    (and the other way round)."""
+    one-token steps 1.5x. The drafting steps' verify follows the 9-token steps and the target-only
+    rate (the price) the plain steps; before any plain step the plain steps follow the drafting
+    steps' drift (and the other way round), and once both are measured, many steps of one kind
+    leave the other's prediction where it was."""
     from specav.types import StageTimes
 
     p = planner(4)
-    cost, shape = CostModel(p.cost.profile, halflife=2.0), [RequestShape(1, 0)]
+    cost, shape = CostModel(p.cost.profile, halflife=2.0, shape_halflife=4.0), [RequestShape(1, 0)]
     p.cost = cost
-    for _ in range(30):
+
+    def drafting_step() -> None:
         cost.observe([(1, 0)] * 8, 9, 0, StageTimes(0.1, 2.0 * cost.profile.verify(9), 0.1 + 2.0 * cost.profile.verify(9)))
-    assert cost.plain_seconds(1) == pytest.approx(2.0 * cost.profile.verify(1), rel=1e-3)  # the stand-in
-    for _ in range(30):
+
+    def plain_step() -> None:
         cost.observe([], 1, 0, StageTimes(0.0, 1.5 * cost.profile.verify(1), 1.5 * cost.profile.verify(1)))
-        cost.observe([(1, 0)] * 8, 9, 0, StageTimes(0.1, 2.0 * cost.profile.verify(9), 0.1 + 2.0 * cost.profile.verify(9)))
+
+    for _ in range(30):
+        drafting_step()
+    assert cost.plain_seconds(1) == pytest.approx(2.0 * cost.profile.verify(1), rel=1e-3)  # the stand-in
+    for _ in range(60):
+        plain_step()
+        drafting_step()
     assert cost.plain_seconds(1) == pytest.approx(1.5 * cost.profile.verify(1), rel=1e-3)
     assert p.target_only_rate(shape) == pytest.approx(1 / (1.5 * cost.profile.verify(1) + cost.overhead), rel=1e-3)
-    # and the plain steps leave the drafting steps' scale alone, however many of them there are
-    for _ in range(200):
-        cost.observe([], 1, 0, StageTimes(0.0, 1.5 * cost.profile.verify(1), 1.5 * cost.profile.verify(1)))
+    for _ in range(200):  # and the plain steps leave the drafting steps' prediction alone, however many
+        plain_step()
     assert cost.verify_seconds(9) == pytest.approx(2.0 * cost.profile.verify(9), rel=1e-3)
-    assert cost.drafting_premium(1) == pytest.approx(0.5 * cost.profile.verify(1), rel=1e-3)
+    # a drafting step's first slot costs what its verify adds over a plain step's
+    first_slot = cost.drafting_premium(1) + cost.verify_added(1, 1)
+    assert first_slot == pytest.approx(cost.verify_seconds(2) - cost.plain_seconds(1), rel=1e-6)
     assert cost.predict([], 1, 0).verify == pytest.approx(cost.plain_seconds(1))  # a target-only step
-    fresh = CostModel(p.cost.profile, halflife=2.0)  # plain steps only: the verify scale stands in with theirs
+    fresh = CostModel(p.cost.profile, halflife=2.0)  # plain steps only: drafting steps stand in with their level
     for _ in range(30):
         fresh.observe([], 1, 0, StageTimes(0.0, 1.5 * cost.profile.verify(1), 1.5 * cost.profile.verify(1)))
     assert fresh.verify_seconds(9) == pytest.approx(1.5 * cost.profile.verify(9), rel=1e-3)
     assert fresh.drafting_premium(1) == 0.0
-    before = dict(cost.log_scale)  # a prompt's prefill teaches the drafter's scale (its catch-up), not the target's
+    before = cost.target.level, cost.draft.level  # a prompt's prefill teaches the drafter (its catch-up), not the target
     cost.observe([(300, 0)], 300, 0, StageTimes(0.5, 0.1, 0.6), prefill=True)
-    assert cost.log_scale["verify"] == before["verify"] and cost.log_scale["plain"] == before["plain"]
-    assert cost.log_scale["draft"] != before["draft"]
+    assert cost.target.level == before[0] and cost.draft.level != before[1]
 
 
 def test_drafting_at_all_pays_the_premium_of_a_drafting_step():
@@ -539,8 +554,8 @@ def test_drafting_at_all_pays_the_premium_of_a_drafting_step():
         p = planner(4)
         p.population = FeatureSamples.of([3.0])
         p.target_only_rate = lambda shapes: 1.0  # the price held at 1 token per second
-        p.cost.plain_observations = 1
-        p.cost.log_scale["verify"] = math.log(premium_scale)  # the plain scale stays 1
+        p.cost.target.observations["plain"] = 1
+        slower_drafting_verify(p.cost, premium_scale)  # plain steps at the profile
         if not priced:
             p.cost.drafting_premium = lambda *args: 0.0
         return p.draft_plan(requests(1), [4], [RequestShape(1, 0)]).num_slots[0]

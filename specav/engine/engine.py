@@ -88,7 +88,9 @@ class Engine:
 
             cost_profile = measure_profile(self.verifier, self.drafter, self.max_verify_tokens,
                                            self.config.max_batch_size, progress=False)
-        cost = CostModel(cost_profile, self.config.adaptive.cost_halflife, draft_setup=self.drafter.setup_seconds)
+        adaptive = self.config.adaptive
+        cost = CostModel(cost_profile, adaptive.cost_halflife, draft_setup=self.drafter.setup_seconds,
+                         shape_halflife=adaptive.cost_shape_halflife)
         return make_planner(name, num_slots=self.num_slots, scorer=self.scorer, cost=cost,
                             config=self.config.adaptive)
 

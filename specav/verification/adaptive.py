@@ -72,7 +72,7 @@ Rules (survival s_i = product of a request's confidences 1..i, architecture.md):
 * Control. In a share of steps (`control_share`, drawn from the planner's own generator), and
   in the first step after the cold start until one has been measured, the whole batch decodes
   target-only, so the cost model's target-only step, the price every rule is held to, stays
-  measured while every request drafts (cost_model.py: the plain scale).
+  measured while every request drafts (cost_model.py: the plain kind of step).
 * Explore. Each step every request, with a probability drawn from the planner's own generator
   (never from the drafts), drafts and verifies its whole block, so deep positions keep getting
   labels while the rules above trim. The probability is set from the cost model so exploring
@@ -413,7 +413,7 @@ class AdaptivePlanner:
         gains = self.block_gains(samples, torch.ones(len(candidates), dtype=torch.float64), 0, price,
                                  verify_tokens, draft_row, slot_attended, weights)
         # nothing forced: the first candidate makes this a drafting step, whose verify costs more; the
-        # premium is measured on decoding steps (a prefill teaches neither verify scale), so it is
+        # premium is measured on decoding steps (a prefill teaches neither kind of verify), so it is
         # priced on their tokens, one per request, not on a prompt being prefilled in this step
         premium = 0.0 if forced else self.cost.drafting_premium(len(shapes), sum(s.context for s in shapes))
         chosen = self.choose(gains, [1] * len(candidates), len(forced), price, verify_tokens, slot_attended, premium)

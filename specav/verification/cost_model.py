@@ -11,16 +11,17 @@ step times.
     draft_setup               seconds paid once before the drafter's first forward (a deferred
                               load, drafting/deferred.py), priced like a catch-up; 0 once paid
 
-The verify stage has two online scales: `verify`, learnt from steps that drafted, and `plain`,
-from steps that drafted nothing (target-only decoding, the price every rule is held to); until
-one of them has been measured it stands in with the other's. A slowdown is not always uniform
-over token counts: in the traces the two kinds of step drifted from the profile by different
-amounts, in either direction. Code at concurrency 4 on a machine running at about half its
-profiled speed: AV's steps were predicted at 0.97x their measured time, yet it drafted 11 slots
-per step at 0.76x target-only, because the target-only step its price came from was predicted
-with the scale of its own 11-17-token verifies. Prose at concurrency 1, the other way round:
-with 612 of 764 decoding steps drafting nothing, one scale learnt from all of them put the
-drafting steps' verify at the plain steps' scale, 161 ms predicted against 170 measured.
+The target's stage is learnt from two kinds of step, `verify` (steps that drafted) and `plain`
+(steps that drafted nothing: target-only decoding, the price every rule is held to). They drift
+together (one model on the same cores) but differ in shape: a drafting step's verify is slower
+than a plain one of the same tokens on some machines (the drafting premium), and the traffic
+measures them at different token counts. In the traces one scale per kind was not enough either
+way. Code at concurrency 4 on a machine running at about half its profiled speed: AV drafted 11
+slots per step at 0.76x target-only, because the target-only step its price came from was
+predicted with the scale of its own 11-17-token verifies. Prose at concurrency 1 on the Zen 4
+EPYC, where AV drafted most steps: the plain scale, measured on a few control steps, stayed at
+the profile's 54-64 ms for a one-token step while the machine ran them in 36, so the price of
+compute sat a third low and drafting looked cheap.
 
 `attended` is attention's work: the key positions the forward's tokens attend to, summed over
 them (`types.attended`: a request's t new tokens over c cached positions attend t * c + t(t-1)/2).
@@ -32,12 +33,22 @@ A curve is the profile's measured points with attention's share taken out, made 
 interpolated linearly, extended past the last point with the last segment's slope, plus
 `per_context` seconds per attended position.
 
-Online correction. Each step the engine reports what it measured; each stage keeps a
-multiplicative scale, an exponential moving average in log space of measured / profiled
-(half-life `halflife` steps), so a uniform slowdown (thermal throttling, a noisy neighbour)
-is followed within a few half-lives whatever its size, and a stale profile never stays in
-charge. The overhead is an EMA of the measured remainder. The profile itself (running the
-models) lives in engine/profile.py; this module never runs a model.
+Online correction. Each step the engine reports what it measured, and each model's stage
+corrects its profiled curve by a level and a shape (`_Correction`). The level is one
+multiplicative scale per model, an exponential moving average in log space of measured /
+predicted (half-life `halflife` steps, started from the first measurements rather than from the
+profile: `_warm`), learnt from every step that ran the model: a uniform slowdown (thermal
+throttling, a noisy neighbour) is followed within a few half-lives whatever its size, a stale
+profile never stays in charge, and a kind of step the traffic rarely runs (target-only steps
+while AV drafts) follows the drift the other kind measures. The shape is a log factor per kind of
+step and profiled point, learnt more slowly (half-life `shape_halflife` observations) from what
+the level leaves unexplained where the forward ran, interpolated between points as the profile
+is. A start-up profile is a few timings on a noisy machine and its shape can be wrong where the
+decisions are made (Zen 4 EPYC, prose at concurrency 1: a one-token step 36 ms against a
+profiled 54.5, two tokens 50 against 63.9, so one scale priced a one-slot step's extra verify at
+9 ms instead of 14). A point nothing measures keeps its profiled shape under the level. The
+overhead is an EMA of the measured remainder. The profile itself (running the models) lives in
+engine/profile.py; this module never runs a model.
 
 Must not know: models, requests, the engine.
 """
@@ -142,69 +153,169 @@ def _decay(halflife: float) -> float:
     return 1.0 - 0.5 ** (1.0 / halflife)
 
 
+def _warm(alpha: float, n: int) -> float:
+    """Weight of the n-th observation (from 1) in an EMA of weight `alpha` that starts from its first
+    observations, not from its prior: the mean of the first ones, until the EMA's own weight is larger.
+    An EMA started at the profile would leave a stage the traffic rarely measures near the profile
+    for many of its half-lives (prose at concurrency 1, Zen 4 EPYC: one-token steps measured 36 ms
+    against a profiled 54.5, and the first target-only step moved the price of compute by 8% of
+    that gap; priced a third low, drafting looked cheap, so target-only steps stayed rare)."""
+    return max(alpha, 1.0 / n) if alpha > 0 else 0.0  # alpha 0 (an infinite half-life): frozen
+
+
+class _Correction:
+    """One model's online correction of its profiled curve: a level (log scale) shared by every kind
+    of step that runs the model, and a shape (a log factor per kind and profiled point). See the
+    module docstring.
+
+    An observation's error e = log(measured / predicted) moves every point of the model by w * e
+    (the level; w = alpha once warm, `_warm`), and the points the forward falls between by a further
+    beta * share * (1 - w) * e (the shape; beta warm per point as the level, share the point's part
+    of the prediction: its interpolation weight times its seconds over the predicted seconds, the
+    gradient of the log prediction). A change is followed at alpha + beta (1 - alpha) a step where
+    the traffic measures it (half-life 6.5 steps at the defaults 8 and 32) and at alpha elsewhere:
+    a kind of step the traffic rarely runs (target-only steps where AV drafts most steps) follows the
+    drift the other kind measures at the level's half-life, keeping its shape. The shape is stored
+    centred: its mean over the measured points, weighted by their recent evidence (the same shares,
+    decayed at the shape's rate), is kept in the level, which then reads as the model's scale where
+    the traffic runs (what attention's per-position cost is scaled by); one point carrying all the
+    traffic leaves the shape at 0."""
+
+    def __init__(self, curve: CostCurve | None, alpha: float, beta: float, kinds: Sequence[str]) -> None:
+        self.profiled = curve
+        self.alpha, self.beta = alpha, beta
+        self.level = 0.0
+        points = len(curve.tokens) if curve is not None else 0
+        self.observations = {kind: 0 for kind in kinds}
+        self.shape = {kind: [0.0] * points for kind in kinds}  # log factor per kind and profiled point
+        self.evidence = {kind: [0.0] * points for kind in kinds}  # decayed shares of the observations
+        self.counts = {kind: [0] * points for kind in kinds}  # observations that moved each point
+        self.curves = {kind: curve for kind in kinds}  # the profiled curve times exp(shape), made monotone
+
+    def seconds(self, kind: str, tokens: float, attended: float = 0.0) -> float:
+        curve = self.curves[kind]
+        return curve(tokens, attended) * math.exp(self.level) if curve is not None else 0.0
+
+    def added(self, kind: str, tokens: float, more: float, attended: float = 0.0) -> float:
+        curve = self.curves[kind]
+        return curve.added(tokens, more, attended) * math.exp(self.level) if curve is not None else 0.0
+
+    def _shares(self, kind: str, tokens: float, predicted: float) -> list[tuple[int, float]]:
+        """The profiled points a forward over `tokens` tokens falls between, with their shares of
+        the `predicted` seconds."""
+        xs, ys = self.profiled.tokens, self.curves[kind].seconds
+        if tokens <= xs[0] or tokens >= xs[-1]:
+            j = 0 if tokens <= xs[0] else len(xs) - 1
+            return [(j, ys[j] / predicted)] if tokens == xs[j] else [(j, 1.0)]
+        i = bisect.bisect_left(xs, tokens)
+        u = (tokens - xs[i - 1]) / (xs[i] - xs[i - 1])
+        return [(j, w * ys[j] / predicted) for j, w in ((i - 1, 1.0 - u), (i, u)) if w > 0]
+
+    def observe(self, kind: str, forwards: Sequence[tuple[float, float]], seconds: float) -> bool:
+        """Learn from one measured stage of a `kind` of step: `forwards` [(tokens, attended), ...]
+        took `seconds` in all."""
+        curve = self.curves[kind]
+        if curve is None or not forwards or not (seconds > 0 and math.isfinite(seconds)):
+            return False
+        predicted = sum(curve(t, a) for t, a in forwards)
+        if predicted <= 0:
+            return False
+        e = math.log(seconds / (predicted * math.exp(self.level)))
+        self.observations[kind] += 1
+        weight = _warm(self.alpha, sum(self.observations.values()))
+        self.level += weight * e
+        moved: dict[int, float] = {}
+        for t, _ in forwards:
+            for j, share in self._shares(kind, t, predicted):
+                moved[j] = moved.get(j, 0.0) + share
+        decay = 1.0 - self.beta
+        for k, ev in self.evidence.items():
+            self.evidence[k] = [n * decay + (moved.get(j, 0.0) if k == kind else 0.0) for j, n in enumerate(ev)]
+        step = {}
+        for j, share in moved.items():
+            self.counts[kind][j] += 1
+            step[j] = _warm(self.beta, self.counts[kind][j]) * share * (1.0 - weight) * e
+        cells = [(k, j) for k, ev in self.evidence.items() for j, n in enumerate(ev) if n > 0]
+        total = sum(self.evidence[k][j] for k, j in cells)
+        common = sum(self.evidence[kind][j] * d for j, d in step.items()) / total if total > 0 else 0.0
+        for k, j in cells:  # kept centred: the move's common mode is the level's (no prediction changes)
+            self.shape[k][j] += step.get(j, 0.0) * (k == kind) - common
+        self.level += common
+        p = self.profiled
+        for k in {k for k, _ in cells}:  # (a kind nothing measured keeps the profiled curve)
+            self.curves[k] = CostCurve.fit({t: y * math.exp(f) for t, y, f in zip(p.tokens, p.seconds, self.shape[k])},
+                                           p.per_context)
+        return True
+
+
 class CostModel:
-    """Profiled curves times online scales; predicts stages, learns from measured steps."""
+    """Profiled curves under online corrections; predicts stages, learns from measured steps."""
 
     def __init__(self, profile: CostProfile, halflife: float = 8.0, overhead: float = 0.0,
-                 draft_setup: float = 0.0) -> None:
-        """draft_setup: seconds the drafter spends once before its first forward (a deferred load,
-        drafting/deferred.py); 0 from the first step with a drafter forward on."""
-        if not (math.isfinite(halflife) and halflife > 0):
-            raise ValueError(f"halflife = {halflife!r} is invalid: a number of steps > 0")
+                 draft_setup: float = 0.0, shape_halflife: float | None = None) -> None:
+        """halflife: steps, of each stage's level (math.inf: frozen); shape_halflife: observations of a
+        profiled point, of its shape (default 4 x halflife: the shape is the machine's, the level its drift);
+        draft_setup: seconds the drafter spends once before its first forward (a deferred load,
+        drafting/deferred.py), 0 from the first step with a drafter forward on."""
+        shape_halflife = 4.0 * halflife if shape_halflife is None else shape_halflife
+        for name, value in (("halflife", halflife), ("shape_halflife", shape_halflife)):
+            if not value > 0:  # math.inf: never corrected (a frozen model, for tests and replays)
+                raise ValueError(f"{name} = {value!r} is invalid: a number of observations > 0")
         if not (math.isfinite(draft_setup) and draft_setup >= 0):
             raise ValueError(f"draft_setup = {draft_setup!r} is invalid: seconds >= 0")
         self.draft_setup = draft_setup
         self.profile = profile
         self.alpha = _decay(halflife)
-        self.log_scale = {"draft": 0.0, "verify": 0.0, "plain": 0.0}
-        self.plain_observations = 0  # steps that drafted nothing (the plain scale's evidence)
-        self.verify_observations = 0  # steps that drafted (the verify scale's)
-        self.draft_observations = 0  # steps with a drafter forward (the draft scale's)
+        beta = _decay(shape_halflife)
+        self.draft = _Correction(profile.draft, self.alpha, beta, ("draft",))
+        self.target = _Correction(profile.verify, self.alpha, beta, ("plain", "verify"))
         self.overhead = overhead  # seconds per step outside the two models' stages
         self.observations = 0
 
-    def scale(self, stage: str) -> float:
-        return math.exp(self.log_scale[stage])
+    def scale(self, model: str) -> float:
+        """A model's level ("draft" or "target"): its measured / profiled time, the shape aside."""
+        return math.exp((self.draft if model == "draft" else self.target).level)
+
+    @property
+    def plain_observations(self) -> int:
+        """Steps that drafted nothing (the plain kind's evidence)."""
+        return self.target.observations["plain"]
 
     # ---- predictions ------------------------------------------------------------
 
     def draft_seconds(self, tokens: float, attended: float = 0.0) -> float:
         """One drafter forward (and its sampling) over `tokens` rows."""
-        if self.profile.draft is None:
-            return 0.0
-        return self.profile.draft(tokens, attended) * self.scale("draft")
+        return self.draft.seconds("draft", tokens, attended)
 
     def verify_seconds(self, tokens: float, attended: float = 0.0) -> float:
-        return self.profile.verify(tokens, attended) * self.scale("verify")
+        return self.target.seconds("verify", tokens, attended)
 
     def plain_seconds(self, tokens: float, attended: float = 0.0) -> float:
-        """The verify stage of a step that drafts nothing (target-only decoding), at the plain scale."""
-        return self.profile.verify(tokens, attended) * self.scale("plain")
+        """The verify stage of a step that drafts nothing (target-only decoding)."""
+        return self.target.seconds("plain", tokens, attended)
 
     def draft_added(self, tokens: float, more: float, attended: float = 0.0) -> float:
         """Seconds that `more` rows (attending to `attended` positions) add to a drafter forward of `tokens`."""
-        if self.profile.draft is None:
-            return 0.0
-        return self.profile.draft.added(tokens, more, attended) * self.scale("draft")
+        return self.draft.added("draft", tokens, more, attended)
 
     def verify_added(self, tokens: float, more: float, attended: float = 0.0) -> float:
         """Seconds that `more` tokens (attending to `attended` positions) add to a verify of `tokens`."""
-        return self.profile.verify.added(tokens, more, attended) * self.scale("verify")
+        return self.target.added("verify", tokens, more, attended)
 
     def drafting_premium(self, tokens: float, attended: float = 0.0) -> float:
         """What a step's verify of `tokens` pending tokens costs more when the step drafts than when it
-        does not (the verify scale over the plain one; 0 when the verify scale is the lower): a
+        does not (the verify stage over the plain one; 0 when the verify stage is the cheaper): a
         fixed cost of drafting at all, which the first slot of a step must pay."""
         return max(0.0, self.verify_seconds(tokens, attended) - self.plain_seconds(tokens, attended))
 
     def per_position(self) -> float:
         """Seconds one attended position costs the two stages together (a slot attends in both)."""
         draft = self.profile.draft.per_context * self.scale("draft") if self.profile.draft else 0.0
-        return draft + self.profile.verify.per_context * self.scale("verify")
+        return draft + self.profile.verify.per_context * self.scale("target")
 
     def predict(self, forwards: Sequence[tuple[int, int]], verify_tokens: int, verify_attended: int) -> StageTimes:
         """Times of a step with these drafter forwards [(tokens, attended), ...] and this verification
-        (none: a target-only step, at the plain scale)."""
+        (none: a target-only step, by the plain stage)."""
         draft = sum(self.draft_seconds(t, a) for t, a in forwards)
         verify = (self.verify_seconds if forwards else self.plain_seconds)(verify_tokens, verify_attended)
         return StageTimes(draft, verify, draft + verify + self.overhead)
@@ -213,32 +324,20 @@ class CostModel:
 
     def observe(self, forwards: Sequence[tuple[int, int]], verify_tokens: int, verify_attended: int,
                 measured: StageTimes, prefill: bool = False) -> None:
-        """Move each stage's scale toward measured / profiled, and the overhead toward the remainder.
-        The verify stage's time teaches the verify scale if the step drafted, else the plain one,
+        """Correct each stage toward what was measured, and the overhead toward the remainder.
+        The verify stage's time teaches the verify stage if the step drafted, else the plain one,
         and neither in a step that prefilled a prompt (a forward over hundreds of tokens, far past
         the profiled points, says nothing of a decoding step's verify: 740 ms measured against
         1506 predicted for code prompts on the AMD EPYC). Its drafter forward, the prompt's
-        catch-up, does teach the draft scale: catch-ups are what entries and probes are priced by."""
+        catch-up, does teach the draft stage: catch-ups are what entries and probes are priced by."""
         if forwards:
             self.draft_setup = 0.0  # paid: the drafter is ready
-        profiled_draft = sum(self.profile.draft(t, a) for t, a in forwards) if self.profile.draft else 0.0
-        stages = [("draft", profiled_draft, measured.draft)]
+        self.draft.observe("draft", forwards, measured.draft)
         if not prefill:
-            stages.append(("verify" if forwards else "plain", self.profile.verify(verify_tokens, verify_attended),
-                           measured.verify))
-        for stage, profiled, seconds in stages:
-            if profiled > 0 and seconds > 0 and math.isfinite(seconds):
-                self.log_scale[stage] += self.alpha * (math.log(seconds / profiled) - self.log_scale[stage])
-                self.verify_observations += stage == "verify"
-                self.plain_observations += stage == "plain"
-                self.draft_observations += stage == "draft"
-        if not self.verify_observations:  # an unmeasured verify scale stands in with the other's
-            self.log_scale["verify"] = self.log_scale["plain"]
-        if not self.plain_observations:
-            self.log_scale["plain"] = self.log_scale["verify"]
-        if not self.draft_observations:  # the machine's drift, measured on the target, is the drafter's too
-            self.log_scale["draft"] = self.log_scale["plain"]
+            self.target.observe("verify" if forwards else "plain", [(verify_tokens, verify_attended)], measured.verify)
+        if not sum(self.draft.observations.values()):  # the machine's drift, measured on the target, is the drafter's too
+            self.draft.level = self.target.level
         rest = measured.total - measured.draft - measured.verify
         if math.isfinite(rest):
-            self.overhead += self.alpha * (max(0.0, rest) - self.overhead)
+            self.overhead += _warm(self.alpha, self.observations + 1) * (max(0.0, rest) - self.overhead)
         self.observations += 1
