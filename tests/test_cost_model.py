@@ -274,3 +274,10 @@ def test_the_profile_separates_attention_from_the_token_curve():
     for t, s in base.items():
         assert curve(t) == pytest.approx(s)
         assert curve(t, attended(t, 400)) == pytest.approx(s + 2e-6 * attended(t, 400))
+
+
+def test_verify_added_each_is_verify_added_for_every_count():
+    model = CostModel(profile(), halflife=4.0)
+    model.observe([(1, 0)], 3, 0, StageTimes(0.03, 0.07, 0.1))
+    for tokens in (1, 2, 7, 20):
+        assert model.verify_added_each(tokens, 8) == pytest.approx([model.verify_added(tokens, k) for k in range(1, 9)])

@@ -219,6 +219,7 @@ class AdaptivePlanner:
                  config: AdaptiveConfig = AdaptiveConfig(), **_: object) -> None:
         require_lossless(scorer.feature)  # trimming on a feature that reads x_i would be lossy
         self.num_slots = num_slots
+        self._slots = torch.arange(1, num_slots + 1, dtype=torch.float64)  # [K] 1..K
         self.scorer = scorer
         self.cost = cost
         self.config = config
@@ -453,8 +454,9 @@ class AdaptivePlanner:
         request's feature (nothing of this step's drafts past it): features # [A], or samples of it
         # [A, M] with weights # [A, M], whose survivals are averaged (a confidence is not linear in
         the feature: the mean feature's would overstate it)."""
-        if features.ndim == 1:
-            features, weights = features[:, None], torch.ones(features.shape[0], 1, dtype=torch.float64)
+        if features.ndim == 1:  # one feature per request: its survivals are the mean
+            confidences = torch.nan_to_num(self.scorer.score(features[:, None].expand(-1, self.num_slots)), nan=0.0)
+            return torch.cumsum(prefix[:, None] * survival(confidences[:, start:]), dim=1)
         a, m = features.shape
         expanded = features.reshape(a * m, 1).expand(a * m, self.num_slots)  # [A * M, K]
         confidences = torch.nan_to_num(self.scorer.score(expanded), nan=0.0)[:, start:]
@@ -466,9 +468,8 @@ class AdaptivePlanner:
     def _block_seconds(self, verify_tokens: int, draft_row: float, slot_attended: Sequence[int]) -> torch.Tensor:
         """Seconds that drafting and verifying 1..K slots add to the step, per request # [A, K]
         (slot_attended: what each of its slots attends to; attention is linear in it)."""
-        n = torch.arange(1, self.num_slots + 1, dtype=torch.float64)  # [K]
-        tokens = torch.tensor([self.cost.verify_added(verify_tokens, k) for k in range(1, self.num_slots + 1)],
-                              dtype=torch.float64)  # [K]
+        n = self._slots  # [K]
+        tokens = torch.tensor(self.cost.verify_added_each(verify_tokens, self.num_slots), dtype=torch.float64)  # [K]
         attention = torch.tensor(slot_attended, dtype=torch.float64)[:, None] * n * self.cost.per_position()
         return (n * draft_row + tokens)[None, :] + attention
 

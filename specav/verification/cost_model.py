@@ -302,6 +302,12 @@ class CostModel:
         """Seconds that `more` tokens (attending to `attended` positions) add to a verify of `tokens`."""
         return self.target.added("verify", tokens, more, attended)
 
+    def verify_added_each(self, tokens: float, most: int) -> list[float]:
+        """Seconds that 1, 2, ..., `most` more tokens add to a verify of `tokens` (attention aside):
+        verify_added(tokens, k) for every k at once, one curve evaluation per k."""
+        base = self.verify_seconds(tokens)
+        return [self.verify_seconds(tokens + k) - base for k in range(1, most + 1)]
+
     def drafting_premium(self, tokens: float, attended: float = 0.0) -> float:
         """What a step's verify of `tokens` pending tokens costs more when the step drafts than when it
         does not (the verify stage over the plain one; 0 when the verify stage is the cheaper): a
