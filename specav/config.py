@@ -295,7 +295,7 @@ class AdaptiveConfig:
         decoding; their mean over a step's requests prices a second of compute (the planner's
         lambda). Default 16.
     cost_halflife: steps, half-life of the level of the cost model's online correction (each
-        stage's measured / profiled time: a thermal change or a noisy neighbour is followed within
+        model's measured / profiled time: a thermal change or a noisy neighbour is followed within
         a few half-lives). Default 8.
     cost_shape_halflife: observations of a profiled token count, half-life of the shape of the
         online correction (what the level leaves unexplained at that count: a start-up profile's

@@ -211,15 +211,15 @@ class _Correction:
         u = (tokens - xs[i - 1]) / (xs[i] - xs[i - 1])
         return [(j, w * ys[j] / predicted) for j, w in ((i - 1, 1.0 - u), (i, u)) if w > 0]
 
-    def observe(self, kind: str, forwards: Sequence[tuple[float, float]], seconds: float) -> bool:
+    def observe(self, kind: str, forwards: Sequence[tuple[float, float]], seconds: float) -> None:
         """Learn from one measured stage of a `kind` of step: `forwards` [(tokens, attended), ...]
         took `seconds` in all."""
         curve = self.curves[kind]
         if curve is None or not forwards or not (seconds > 0 and math.isfinite(seconds)):
-            return False
+            return
         predicted = sum(curve(t, a) for t, a in forwards)
         if predicted <= 0:
-            return False
+            return
         e = math.log(seconds / (predicted * math.exp(self.level)))
         self.observations[kind] += 1
         weight = _warm(self.alpha, sum(self.observations.values()))
@@ -245,7 +245,6 @@ class _Correction:
         for k in {k for k, _ in cells}:  # (a kind nothing measured keeps the profiled curve)
             self.curves[k] = CostCurve.fit({t: y * math.exp(f) for t, y, f in zip(p.tokens, p.seconds, self.shape[k])},
                                            p.per_context)
-        return True
 
 
 class CostModel:
@@ -253,7 +252,7 @@ class CostModel:
 
     def __init__(self, profile: CostProfile, halflife: float = 8.0, overhead: float = 0.0,
                  draft_setup: float = 0.0, shape_halflife: float | None = None) -> None:
-        """halflife: steps, of each stage's level (math.inf: frozen); shape_halflife: observations of a
+        """halflife: steps, of each model's level (math.inf: frozen); shape_halflife: observations of a
         profiled point, of its shape (default 4 x halflife: the shape is the machine's, the level its drift);
         draft_setup: seconds the drafter spends once before its first forward (a deferred load,
         drafting/deferred.py), 0 from the first step with a drafter forward on."""
