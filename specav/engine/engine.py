@@ -91,8 +91,7 @@ class Engine:
         adaptive = self.config.adaptive
         cost = CostModel(cost_profile, adaptive.cost_halflife, draft_setup=self.drafter.setup_seconds,
                          shape_halflife=adaptive.cost_shape_halflife)
-        return make_planner(name, num_slots=self.num_slots, scorer=self.scorer, cost=cost,
-                            config=self.config.adaptive)
+        return make_planner(name, num_slots=self.num_slots, scorer=self.scorer, cost=cost, config=adaptive)
 
     @property
     def max_verify_tokens(self) -> int:

@@ -454,16 +454,14 @@ class AdaptivePlanner:
         request's feature (nothing of this step's drafts past it): features # [A], or samples of it
         # [A, M] with weights # [A, M], whose survivals are averaged (a confidence is not linear in
         the feature: the mean feature's would overstate it)."""
-        if features.ndim == 1:  # one feature per request: its survivals are the mean
-            confidences = torch.nan_to_num(self.scorer.score(features[:, None].expand(-1, self.num_slots)), nan=0.0)
-            return torch.cumsum(prefix[:, None] * survival(confidences[:, start:]), dim=1)
-        a, m = features.shape
-        expanded = features.reshape(a * m, 1).expand(a * m, self.num_slots)  # [A * M, K]
+        expanded = features.reshape(-1, 1).expand(-1, self.num_slots)  # [A * M, K] (M = 1 for features # [A])
         confidences = torch.nan_to_num(self.scorer.score(expanded), nan=0.0)[:, start:]
-        survivals = survival(confidences).reshape(a, m, self.num_slots - start)  # [A, M, K - start]
-        w = weights / weights.sum(1, keepdim=True).clamp(min=1e-300)  # [A, M]
-        mean = (w[:, :, None] * survivals).sum(1)  # [A, K - start]
-        return torch.cumsum(prefix[:, None] * mean, dim=1)
+        survivals = survival(confidences)  # [A * M, K - start]
+        if features.ndim == 2:  # the mean over each request's samples
+            a, m = features.shape
+            w = weights / weights.sum(1, keepdim=True).clamp(min=1e-300)  # [A, M]
+            survivals = (w[:, :, None] * survivals.reshape(a, m, -1)).sum(1)  # [A, K - start]
+        return torch.cumsum(prefix[:, None] * survivals, dim=1)
 
     def _block_seconds(self, verify_tokens: int, draft_row: float, slot_attended: Sequence[int]) -> torch.Tensor:
         """Seconds that drafting and verifying 1..K slots add to the step, per request # [A, K]
