@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from specav.models import native
-from specav.models.native import build, probe, selftest
+from specav.models.native import build, probe, schedule, selftest
 from specav.models.native.variants import BY_NAME, VARIANTS, Variant
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -219,3 +219,65 @@ def test_a_lock_file_of_a_dead_pid_is_no_lock(tmp_path, fake, monkeypatch):
     (directory / "lock").write_text("")  # torch's, from a build that died
     monkeypatch.setattr(build, "LOCK_TIMEOUT_S", 2.0)
     assert build_fake(fake, tmp_path).exists()
+
+
+# ---------------------------------------------------------------- the loop schedule
+
+class _ScheduleOps:
+    """Stands in for a variant's ops where only set_schedule matters (measure_fn is injected)."""
+
+    def __init__(self, default: int) -> None:
+        self.current = default
+
+    def set_schedule(self, s: int) -> int:
+        before = self.current
+        if s >= 0:
+            self.current = s
+        return before
+
+
+def test_the_default_schedule_stays_unless_another_is_clearly_faster():
+    # two cases each; schedule 3 the default
+    assert schedule.choose({0: [1.0, 1.0], 1: [0.97, 0.99], 3: [1.0, 1.0]}, default=3) == 3  # 2% faster: noise
+    assert schedule.choose({0: [0.7, 1.1], 1: [0.8, 0.9], 3: [1.0, 1.0]}, default=3) == 1  # 15% faster on average
+    assert schedule.choose({0: [2.0, 2.0], 3: [1.0, 1.0]}, default=3) == 3
+
+
+def test_the_schedule_is_measured_once_per_machine_and_kept(tmp_path, monkeypatch):
+    monkeypatch.delenv("SPECAV_NATIVE_SCHEDULE", raising=False)
+    calls = []
+
+    def measure_fn(ops):
+        calls.append(ops.current)
+        return {0: [1.0], 1: [0.6], 2: [1.0], 3: [1.0]}
+
+    ops = _ScheduleOps(default=3)
+    assert schedule.apply(ops, tmp_path, {"avx2"}, measure_fn) == 1 and ops.current == 1
+    later = _ScheduleOps(default=3)  # another process on the same machine
+    assert schedule.apply(later, tmp_path, {"avx2"}, measure_fn) == 1 and later.current == 1
+    assert calls == [3]
+    other_machine = _ScheduleOps(default=3)
+    schedule.apply(other_machine, tmp_path, {"avx2", "avx512f"}, measure_fn)
+    assert len(calls) == 2
+
+
+def test_a_forced_schedule_is_run_and_nothing_is_measured(tmp_path, monkeypatch):
+    def measure_fn(ops):
+        raise AssertionError("measured")
+
+    monkeypatch.setenv("SPECAV_NATIVE_SCHEDULE", "2")
+    ops = _ScheduleOps(default=3)
+    assert schedule.apply(ops, tmp_path, {"avx2"}, measure_fn) == 2 and ops.current == 2
+    monkeypatch.setenv("SPECAV_NATIVE_SCHEDULE", "7")
+    with pytest.raises(ValueError, match="SPECAV_NATIVE_SCHEDULE='7'"):
+        schedule.apply(ops, tmp_path, {"avx2"}, measure_fn)
+
+
+@pytest.mark.skipif(not native.available(), reason="needs a native variant")
+def test_measuring_times_every_schedule_and_leaves_the_schedule_as_it_was():
+    ops = native.ops()
+    before = ops.set_schedule(-1)
+    times = schedule.measure(ops, repeats=1)
+    assert set(times) == set(schedule.SCHEDULES)
+    assert all(len(t) == len(schedule.SHAPES) * len(schedule.ROWS) and min(t) > 0 for t in times.values())
+    assert ops.set_schedule(-1) == before

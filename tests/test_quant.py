@@ -29,6 +29,7 @@ from specav.models.quant_choice import DRAFTER_NATIVE_ROWS, ONE_ROW_KQUANT_WITHI
 from specav.models import quant_formats
 from specav.models.quant_formats import GGUFWeight, dequantize, int4_groups, requantize_q4_k
 from specav.models.quant_gguf import read_header
+from specav.models.native.schedule import SCHEDULES
 from specav.models.quant_kernels import KERNELS, KQuantWeight, kquant_matmuls
 from tests.tiny_models import save_tiny_checkpoint
 
@@ -167,15 +168,23 @@ def int8_reconstruction(ops, x: torch.Tensor, k: int) -> torch.Tensor:
     return (xq.double().view(rows, blocks, 256) * dx.double()[..., None]).view(rows, -1)[:, :k]
 
 
+@pytest.fixture(params=SCHEDULES)
+def kquant_schedule(request, native_ops):
+    """Each loop schedule of kquant.cpp in turn (the test id names it), restored afterwards."""
+    saved = native_ops.set_schedule(request.param)
+    yield request.param
+    native_ops.set_schedule(saved)
+
+
 @pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K])
 @pytest.mark.parametrize("rows,k", [(1, 768), (4, 768), (5, 768), (7, 768), (8, 768), (9, 768), (16, 768),
                                     (17, 768), (5, 4608), (16, 4608)])
-def test_kquant_arithmetic_is_exact_on_quantised_activations(native_ops, qtype, rows, k):
+def test_kquant_arithmetic_is_exact_on_quantised_activations(native_ops, kquant_schedule, qtype, rows, k):
     """The kernel's only approximation is the int8 activation: with x replaced by its int8
     reconstruction, y equals the float64 product with the exactly dequantised weight (to float32
     accumulation). A wrong nibble, bit pair or scale index would be off by percents. Row counts
     cover one tile, a tile and a remainder, and several tiles of either variant (4 or 8 rows);
-    K = 4608 (18 blocks) runs in segments of K at 5 and 16 rows."""
+    K = 4608 (18 blocks) runs in segments of K at 5 and 16 rows under the schedules that have them."""
     weight = random_weight(qtype, n=40, k=k, seed=rows)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)) * 3
     x[0, :256] *= 50  # one 256-block far larger: each block has its own activation scale
@@ -191,14 +200,26 @@ def test_kquant_arithmetic_is_exact_on_quantised_activations(native_ops, qtype, 
 @pytest.mark.parametrize("k", [512, 4608])
 def test_kquant_rows_are_batch_invariant(native_ops, qtype, k):
     """Bit for bit: a row's output is the same alone or packed with any number of others, in every
-    native_ops, with K in one pass or in segments (so the verified rows of a speculative step round as
-    the decoded row would)."""
+    native_ops and under every loop schedule, with K in one pass or in segments (so the verified
+    rows of a speculative step round as the decoded row would, and a machine's schedule changes no
+    output)."""
     packed = KQuantWeight.pack(random_weight(qtype, n=72, k=k), ops=native_ops)
     x = torch.randn(19, k, generator=torch.Generator().manual_seed(0))
     x[3] *= 100
-    alone = torch.cat([packed.matmul(x[i:i + 1]) for i in range(19)])
-    for rows in (2, 4, 5, 8, 9, 16, 19):
-        assert torch.equal(packed.matmul(x[:rows]), alone[:rows]), rows
+    saved = native_ops.set_schedule(SCHEDULES[0])
+    try:
+        alone = torch.cat([packed.matmul(x[i:i + 1]) for i in range(19)])
+        for schedule in SCHEDULES:
+            native_ops.set_schedule(schedule)
+            for rows in (2, 4, 5, 8, 9, 16, 19):
+                assert torch.equal(packed.matmul(x[:rows]), alone[:rows]), (schedule, rows)
+    finally:
+        native_ops.set_schedule(saved)
+
+
+def test_kquant_refuses_an_unknown_schedule(native_ops):
+    with pytest.raises(RuntimeError, match="schedule bits"):
+        native_ops.set_schedule(4)
 
 
 def test_kquant_fused_call_equals_separate_calls(native_ops):

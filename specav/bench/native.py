@@ -1,7 +1,7 @@
 """Benchmark: the native kernels' variants, the packed forward's verify cost, the drafter against the
 target, and the one-row forward's slowdown with a busy process on one core, all in one run.
 
-    python -m specav.bench.native [--threads 2] [--repeats 7] [--skip kernels,forward,drafter,layers,contention]
+    python -m specav.bench.native [--threads 2] [--repeats 7] [--skip kernels,forward,schedule,drafter,layers,contention]
 
 Printed (every figure a ratio of times measured in this run, in turns, on this machine; each
 section ends with how many cores other processes kept busy meanwhile, bench/load.py):
@@ -13,6 +13,9 @@ section ends with how many cores other processes kept busy meanwhile, bench/load
   128-token context with logits for every new token (verification), --threads threads, median of
   --repeats, and the 5- and 16-row forwards relative to the one-row forward (goals: <= 1.3x and
   <= 2x);
+- schedule: the k-quant kernel under each loop schedule (native/schedule.py), as the schedule's own
+  measurement times it (ms per call, one thread, cache-cold), and the same forwards as above, the
+  schedules in turns; which one this machine runs;
 - drafter: the packaged drafter's one-row forward in `auto` (every layer native) relative to the
   target's (goal <= 0.25x), and the share of its output head (151,936 rows);
 - layers: both models' one-row forward with each layer as one native call where its linears all run
@@ -37,12 +40,14 @@ from contextlib import contextmanager
 from typing import Iterator
 from unittest import mock
 
+import gguf
 import torch
 
 from specav.bench.load import foreign_load
 from specav.bench.quantized import time_forward
 from specav.models import load_checkpoint, native, packaged
 from specav.models.layer_ops import NativeLayerOps
+from specav.models.native import schedule
 from specav.models.native.probe import cpu_model
 from specav.models.native.variants import VARIANTS
 from specav.models.quant_gguf import read_header
@@ -51,6 +56,7 @@ from specav.models.threads import ThreadChoice
 
 KERNEL_ROWS = (1, 5, 16)
 FORWARD_ROWS = (1, 5, 16)
+SCHEDULE_ROWS = (1, 2, 5, 16)  # 2: one drafted slot, where kquant runs every layer
 CONTEXT = 128
 _FLUSH = torch.zeros(64 << 18)  # 64 MiB, past the last-level cache
 
@@ -112,6 +118,47 @@ def forwards(models: dict, rows: tuple[int, ...], repeats: int) -> dict[str, dic
             for name, m in models.items():
                 times[name][n].append(time_forward(m, caches[name], new))
     return {name: {n: statistics.median(t[warmup:]) for n, t in per.items()} for name, per in times.items()}
+
+
+def schedule_table(target, repeats: int) -> None:
+    """The kernel and the target's packed forwards under each loop schedule, in turns (the chosen one
+    restored)."""
+    ops = native.ops()
+    chosen = ops.set_schedule(-1)
+    kernel = schedule.measure(ops, repeats)
+    cases = [f"{gguf.GGMLQuantizationType(q).name} {n}x{k}, {r} rows" for q, n, k in schedule.SHAPES
+             for r in schedule.ROWS]
+    print(f"\nschedule: the k-quant kernel, ms per call (one thread, cache-cold, median of {repeats}, the schedules "
+          f"in turns); this machine runs schedule {chosen}")
+    for s in schedule.SCHEDULES:
+        print(f"  {s}: {schedule.describe(s)}")
+    print(f"  {'':<28}" + "".join(f"{s:>9}" for s in schedule.SCHEDULES))
+    for i, case in enumerate(cases):
+        print(f"  {case:<28}" + "".join(f"{kernel[s][i] * 1e3:>9.3f}" for s in schedule.SCHEDULES))
+    totals = schedule.relative(kernel, chosen)
+    print(f"  {'total, relative to ' + str(chosen):<28}" + "".join(f"{totals[s]:>8.2f}x" for s in schedule.SCHEDULES))
+    gen = torch.Generator().manual_seed(2)
+    context = torch.randint(0, target.vocab_size, (CONTEXT,), generator=gen).tolist()
+    cache = target.new_cache(CONTEXT + max(SCHEDULE_ROWS))
+    target.forward([context], [cache], [0])
+    warmup = ThreadChoice.warmup_forwards(torch.get_num_threads())
+    times = {s: {n: [] for n in SCHEDULE_ROWS} for s in schedule.SCHEDULES}
+    try:
+        for n in SCHEDULE_ROWS:
+            new = torch.randint(0, target.vocab_size, (n,), generator=gen).tolist()
+            for _ in range(repeats + warmup):
+                for s in schedule.SCHEDULES:
+                    ops.set_schedule(s)
+                    times[s][n].append(time_forward(target, cache, new))
+    finally:
+        ops.set_schedule(chosen)
+    print(f"  packaged target in auto (its kernel plan as measured under schedule {chosen}), {CONTEXT}-token "
+          f"context, ms (median of {repeats}, the schedules in turns)")
+    for s, per in times.items():
+        t = {n: statistics.median(v[warmup:]) for n, v in per.items()}
+        print(f"  {s}  " + "  ".join(f"{n} rows {t[n] * 1e3:6.1f}" for n in SCHEDULE_ROWS)
+              + "  ->  " + "  ".join(f"{n} rows {t[n] / t[1]:.2f}x" for n in SCHEDULE_ROWS[1:])
+              + ("  (chosen)" if s == chosen else ""))
 
 
 def layer_calls(models: dict, repeats: int) -> None:
@@ -203,7 +250,7 @@ def main(argv: list[str] | None = None) -> None:
           f"{variant.name if variant else 'none'} ({native.ops().isa() if variant else native.unavailable_reason()})")
     if "kernels" not in skip:
         kernel_table(args.repeats)
-    if skip >= {"forward", "drafter", "layers", "contention"}:
+    if skip >= {"forward", "schedule", "drafter", "layers", "contention"}:
         return
     target = load_checkpoint("default", "auto", role="target").model
     models = {"target": target}
@@ -227,6 +274,10 @@ def main(argv: list[str] | None = None) -> None:
             print(f"\ndrafter: one-row forward {d * 1e3:.1f} ms = {d / t['target'][1]:.2f}x the target's "
                   f"{t['target'][1] * 1e3:.1f} ms; its output head alone {head_s * 1e3:.1f} ms ({head_s / d:.0%} of "
                   f"it; without it {(d - head_s) / t['target'][1]:.2f}x)")
+        print(f"  ({load})")
+    if "schedule" not in skip and native.selected() is not None:
+        with foreign_load() as load:
+            schedule_table(target, args.repeats)
         print(f"  ({load})")
     if "layers" not in skip:
         with foreign_load() as load:

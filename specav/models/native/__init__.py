@@ -4,9 +4,10 @@ operations of a decoder layer (layers.cpp).
 
 Owns: choosing the variant this process runs (variants.py, best first: AVX-512 VNNI, then AVX2),
 through the safe probe of probe.py (feature bits, OS permission, a self-test in a child process,
-its outcome cached beside the build), and loading that variant's library. `ops()` is its op
+its outcome cached beside the build), and loading that variant's library with the loop schedule
+measured fastest on this machine (schedule.py, also cached beside the build). `ops()` is its op
 namespace (`torch.ops.specav_<variant>`): `kq_matmul`, `quantize_activations`, `quantize_q4_k`,
-`rms_norm`, `add_rms_norm_`, `silu_mul`, `rope_`, `attention`. `variant_ops(name)` loads one
+`rms_norm`, `add_rms_norm_`, `silu_mul`, `rope_`, `attention`, `set_schedule`. `variant_ops(name)` loads one
 named variant (for the tests, which run every variant the machine can, and for benchmarks).
 
 `available()` is False, with `unavailable_reason()` saying why, where no variant passes (a CPU
@@ -15,7 +16,8 @@ without AVX2, no compiler, an unwritable cache); the quantized path then uses to
 depends on this module.
 
 Environment (read when first needed, never at import): SPECAV_NO_NATIVE=1 runs torch's kernels
-only; SPECAV_NATIVE_VARIANT=<name> considers that variant alone (e.g. `avx2`, to compare).
+only; SPECAV_NATIVE_VARIANT=<name> considers that variant alone (e.g. `avx2`, to compare);
+SPECAV_NATIVE_SCHEDULE=<0..3> runs that loop schedule (schedule.py).
 
 Must not know: GGUF files, modules, which kernel is fastest.
 """
@@ -29,6 +31,7 @@ import threading
 import torch
 
 from specav.models.native import probe as _probe
+from specav.models.native import schedule as _schedule
 from specav.models.native.build import build_directory
 from specav.models.native.variants import BY_NAME, VARIANTS, Variant
 
@@ -137,4 +140,5 @@ def _load(variant: Variant, flags: set[str]):
             torch.ops.load_library(str(result.library))
         except OSError as err:
             return f"its library could not be loaded ({err})"
+    _schedule.apply(namespace, result.library.parent, flags)
     return namespace

@@ -19,8 +19,10 @@
 // Multi-row: each weight block is decoded once per tile of activation rows (up to kTile rows held
 // in registers: 4 with AVX2, 8 with AVX-512's 32 registers) and applied to every row of the tile,
 // so verifying K + 1 rows reads the weights once and decodes them once per tile (kquant_avx2.h,
-// kquant_avx512.h: the tile kernels of each instruction set). With AVX-512, long rows (K = 8960
-// at 5 rows and more) go in segments of K, so a tile's activations stay in the L1 cache.
+// kquant_avx512.h: the tile kernels of each instruction set). The loop schedule (which loop is
+// outer, tiles or weight rows; whether long rows, K = 8960 at 5 rows and more, go in segments of K
+// so a tile's activations stay in the L1 cache) is chosen per machine at run time (set_schedule,
+// tune.py measures), each variant starting from the order measured fastest where it was written.
 // The work is split over output features in chunks, each thread one contiguous run of them.
 // Every output depends only on its own row of x, computed by the same instructions whatever the
 // tile: the kernel is batch-invariant.
@@ -31,6 +33,7 @@
 #include "ops.h"
 
 #include <array>
+#include <atomic>
 #include <type_traits>
 #include <vector>
 
@@ -156,6 +159,11 @@ Activations quantize_rows(const at::Tensor& x, int64_t nb) {
   return a;
 }
 
+// The loop schedule, bits of kScheduleTileOuter and kScheduleSegmentK (see kq_matmul); every
+// schedule computes the same results, so changing it between calls changes only the speed.
+constexpr int64_t kScheduleTileOuter = 1, kScheduleSegmentK = 2;
+std::atomic<int64_t> g_schedule{(kTileOuter ? kScheduleTileOuter : 0) | (kSegmentK ? kScheduleSegmentK : 0)};
+
 int64_t block_bytes(int64_t qtype) {
   TORCH_CHECK(qtype == kQ4K || qtype == kQ6K, "kquant runs Q4_K (12) and Q6_K (14) weights, got type ", qtype);
   return qtype == kQ4K ? kQ4KBytes : kQ6KBytes;
@@ -208,15 +216,17 @@ std::vector<at::Tensor> kq_matmul(const at::Tensor& x, at::TensorList weights, a
     max_chunk = std::max(max_chunk, chunk);
     for (int64_t f = 0; f < ns[i]; f += chunk) chunks.push_back({i, f, std::min(ns[i], f + chunk)});
   }
-  // Loop order, per the variant's measurements (kquant_avx2.h, kquant_avx512.h): with kTileOuter,
-  // each tile of activation rows passes over every weight row of the chunk (the chunk's weights
-  // stay in the L2 cache), else each weight row passes over every tile. With kSegmentK,
+  // Loop order, per the schedule (set_schedule): with kScheduleTileOuter, each tile of activation
+  // rows passes over every weight row of the chunk (the chunk's weights stay in the L2 cache), else
+  // each weight row passes over every tile. With kScheduleSegmentK,
   // where a tile's activations would not fit the L1 cache (16 KiB: K = 8960 at 5 rows), K runs in
   // segments of blocks, the partial sums of each (weight row, activation row) waiting in `state`
   // between segments. Each row's blocks are summed in the same order whatever the order, segments
   // and tiles, so the results depend on none of them (nor on the row count).
+  const int64_t schedule = g_schedule.load(std::memory_order_relaxed);
+  const bool tile_outer = schedule & kScheduleTileOuter, segment_k = schedule & kScheduleSegmentK;
   const int64_t tile_rows = std::min<int64_t>(rows, kTile);
-  const int64_t seg = kSegmentK && tile_rows * a.kp > 16384 ? std::max<int64_t>(1, 16384 / (tile_rows * kBlock)) : nb;
+  const int64_t seg = segment_k && tile_rows * a.kp > 16384 ? std::max<int64_t>(1, 16384 / (tile_rows * kBlock)) : nb;
   const int64_t* qt = qtypes.data();
   parallel_runs(static_cast<int64_t>(chunks.size()), [&](int64_t begin, int64_t end) {
     std::vector<float> state(seg < nb ? max_chunk * rows * 8 : 0);
@@ -234,7 +244,7 @@ std::vector<at::Tensor> kq_matmul(const at::Tensor& x, at::TensorList weights, a
           if (qt[i] == kQ4K) q4k_tile<R>(wrow, view, r0, b0, b1, st, out, n, bias);
           else q6k_tile<R>(wrow, view, r0, b0, b1, st, out, n, bias);
         };
-        if constexpr (kTileOuter) {
+        if (tile_outer) {
           for_tiles(rows, [&](auto r, int64_t r0) {
             for (int64_t f = first_feature; f < last_feature; ++f) one(r, r0, f);
           });
@@ -260,12 +270,20 @@ std::tuple<at::Tensor, at::Tensor> quantize_activations(const at::Tensor& x) {
 
 std::string isa() { return kIsa; }
 
+// Sets the loop schedule (bits: 1 tiles outer, 2 long K in segments) where `schedule` >= 0; returns
+// the schedule in force before (so -1 only reads it).
+int64_t set_schedule(int64_t schedule) {
+  TORCH_CHECK(schedule <= (kScheduleTileOuter | kScheduleSegmentK), "schedule bits are 1 (tiles outer) and 2 (segments of K), got ", schedule);
+  return schedule < 0 ? g_schedule.load() : g_schedule.exchange(schedule);
+}
+
 }  // namespace
 
 SPECAV_FRAGMENT(m) {
   m.def("kq_matmul(Tensor x, Tensor[] weights, int[] qtypes, Tensor?[] biases) -> Tensor[]");
   m.def("quantize_activations(Tensor x) -> (Tensor, Tensor)");
   m.def("isa() -> str", &isa);  // no tensor arguments: one kernel for every dispatch key
+  m.def("set_schedule(int schedule) -> int", &set_schedule);
 }
 
 SPECAV_IMPL(m) {

@@ -31,6 +31,7 @@ from specav.models.native.variants import Variant
 
 CHILD_TIMEOUT_S = 1200.0  # building (about 40 s, or waiting for another builder) plus the self-test
 ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA = 0x1023, 18  # Linux: request the AMX tile state
+_FILE = "probe.json"
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,7 +95,7 @@ def probe(variant: Variant, flags: set[str], root: Path | None = None, child: Ch
         return ProbeResult(False, f"the OS does not grant {variant.os_feature}")
     directory = build_directory(variant, root, sources, headers)
     key = fingerprint(flags)
-    cached = _read(directory).get(key)
+    cached = read_cache(directory, _FILE).get(key)
     if cached is not None and (not cached["ok"] or library_path(directory, variant).exists()):
         return ProbeResult(cached["ok"], cached["reason"], library_path(directory, variant) if cached["ok"] else None)
     if not library_path(directory, variant).exists():
@@ -104,7 +105,7 @@ def probe(variant: Variant, flags: set[str], root: Path | None = None, child: Ch
             return ProbeResult(False, cannot_write(directory, err), keep=False)
     result = _run_child(variant, root, child, directory)
     if result.keep:
-        _write(directory, key, result)
+        write_cache(directory, _FILE, key, {"ok": result.ok, "reason": result.reason})
     return result
 
 
@@ -145,21 +146,23 @@ def _cpuinfo_lines() -> list[str]:
         return []
 
 
-def _read(directory: Path) -> dict:
+def read_cache(directory: Path, name: str) -> dict:
+    """The JSON object kept in `directory`/`name` (machine fingerprint -> outcome), {} if none."""
     try:
-        return json.loads((directory / "probe.json").read_text())
+        return json.loads((directory / name).read_text())
     except (OSError, ValueError):
         return {}
 
 
-def _write(directory: Path, key: str, result: ProbeResult) -> None:
-    """Best effort: an unwritable cache only means the next process probes again."""
+def write_cache(directory: Path, name: str, key: str, value: dict) -> None:
+    """Keep `value` under `key` in `directory`/`name`. Best effort: an unwritable cache only means
+    the next process probes (or measures) again."""
     try:
-        data = _read(directory)
-        data[key] = {"ok": result.ok, "reason": result.reason}
+        data = read_cache(directory, name)
+        data[key] = value
         directory.mkdir(parents=True, exist_ok=True)
-        tmp = directory / f".probe.{os.getpid()}.tmp"
+        tmp = directory / f".{name}.{os.getpid()}.tmp"
         tmp.write_text(json.dumps(data, indent=1))
-        os.replace(tmp, directory / "probe.json")
+        os.replace(tmp, directory / name)
     except OSError:
         pass

@@ -40,24 +40,36 @@ def random_blocks(qtype: int, n: int, k: int, gen: np.random.Generator) -> np.nd
 
 
 def check_matmul(ops, gen: np.random.Generator) -> None:
+    """Under every loop schedule (K = 2304 runs in segments at 8 rows where a schedule has them)."""
     import gguf
 
-    x = torch.from_numpy(gen.standard_normal((9, 768)).astype(np.float32))  # [T, K]
+    from specav.models.native.schedule import SCHEDULES
+
+    k = 2304
+    x = torch.from_numpy(gen.standard_normal((9, k)).astype(np.float32))  # [T, K]
     x[0, :256] *= 40
     xq, dx = ops.quantize_activations(x)
-    x_used = (xq.double().view(9, 3, 256) * dx.double()[..., None]).view(9, 768)
-    weights = [random_blocks(q, 24, 768, gen) for q in (Q4_K, Q6_K)]
-    ys = ops.kq_matmul(x, [torch.from_numpy(w) for w in weights], [Q4_K, Q6_K], [None, None])
-    for qtype, w, y in zip((Q4_K, Q6_K), weights, ys):
-        dense = torch.from_numpy(gguf.quants.dequantize(w, gguf.GGMLQuantizationType(qtype)).astype(np.float64))
-        expected = x_used @ dense.t()
-        error = ((y.double() - expected).norm() / expected.norm()).item()
-        if not error < 1e-5:
-            raise AssertionError(f"kq_matmul type {qtype}: relative error {error:.2e} against float64")
-        alone = torch.cat([ops.kq_matmul(x[i:i + 1].contiguous(), [torch.from_numpy(w)], [qtype], [None])[0]
-                           for i in range(9)])
-        if not torch.equal(alone, y):
-            raise AssertionError(f"kq_matmul type {qtype}: a row's result depends on the other rows")
+    x_used = (xq.double().view(9, k // 256, 256) * dx.double()[..., None]).view(9, k)
+    weights = [random_blocks(q, 24, k, gen) for q in (Q4_K, Q6_K)]
+    saved = ops.set_schedule(-1)
+    try:
+        for schedule in SCHEDULES:
+            ops.set_schedule(schedule)
+            ys = ops.kq_matmul(x, [torch.from_numpy(w) for w in weights], [Q4_K, Q6_K], [None, None])
+            for qtype, w, y in zip((Q4_K, Q6_K), weights, ys):
+                dense = torch.from_numpy(gguf.quants.dequantize(w, gguf.GGMLQuantizationType(qtype)).astype(np.float64))
+                expected = x_used @ dense.t()
+                error = ((y.double() - expected).norm() / expected.norm()).item()
+                if not error < 1e-5:
+                    raise AssertionError(f"kq_matmul type {qtype}, schedule {schedule}: relative error {error:.2e} "
+                                         "against float64")
+                alone = torch.cat([ops.kq_matmul(x[i:i + 1].contiguous(), [torch.from_numpy(w)], [qtype], [None])[0]
+                                   for i in range(9)])
+                if not torch.equal(alone, y):
+                    raise AssertionError(f"kq_matmul type {qtype}, schedule {schedule}: a row's result depends on "
+                                         "the other rows")
+    finally:
+        ops.set_schedule(saved)
 
 
 def check_quantizer(ops, gen: np.random.Generator) -> None:
