@@ -268,8 +268,8 @@ def test_a_forced_schedule_is_run_and_nothing_is_measured(tmp_path, monkeypatch)
     monkeypatch.setenv("SPECAV_NATIVE_SCHEDULE", "2")
     ops = _ScheduleOps(default=3)
     assert schedule.apply(ops, tmp_path, {"avx2"}, measure_fn) == 2 and ops.current == 2
-    monkeypatch.setenv("SPECAV_NATIVE_SCHEDULE", "7")
-    with pytest.raises(ValueError, match="SPECAV_NATIVE_SCHEDULE='7'"):
+    monkeypatch.setenv("SPECAV_NATIVE_SCHEDULE", "9")
+    with pytest.raises(ValueError, match="SPECAV_NATIVE_SCHEDULE=.9."):
         schedule.apply(ops, tmp_path, {"avx2"}, measure_fn)
 
 

@@ -219,7 +219,7 @@ def test_kquant_rows_are_batch_invariant(native_ops, qtype, k):
 
 def test_kquant_refuses_an_unknown_schedule(native_ops):
     with pytest.raises(RuntimeError, match="schedule bits"):
-        native_ops.set_schedule(4)
+        native_ops.set_schedule(8)
 
 
 def test_kquant_fused_call_equals_separate_calls(native_ops):

@@ -17,7 +17,7 @@ depends on this module.
 
 Environment (read when first needed, never at import): SPECAV_NO_NATIVE=1 runs torch's kernels
 only; SPECAV_NATIVE_VARIANT=<name> considers that variant alone (e.g. `avx2`, to compare);
-SPECAV_NATIVE_SCHEDULE=<0..3> runs that loop schedule (schedule.py).
+SPECAV_NATIVE_SCHEDULE=<0..7> runs that kernel schedule (schedule.py).
 
 Must not know: GGUF files, modules, which kernel is fastest.
 """

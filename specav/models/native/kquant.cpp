@@ -19,10 +19,11 @@
 // Multi-row: each weight block is decoded once per tile of activation rows (up to kTile rows held
 // in registers: 4 with AVX2, 8 with AVX-512's 32 registers) and applied to every row of the tile,
 // so verifying K + 1 rows reads the weights once and decodes them once per tile (kquant_avx2.h,
-// kquant_avx512.h: the tile kernels of each instruction set). The loop schedule (which loop is
-// outer, tiles or weight rows; whether long rows, K = 8960 at 5 rows and more, go in segments of K
-// so a tile's activations stay in the L1 cache) is chosen per machine at run time (set_schedule,
-// tune.py measures), each variant starting from the order measured fastest where it was written.
+// kquant_avx512.h: the tile kernels of each instruction set). The schedule (which loop is outer,
+// tiles or weight rows; whether long rows, K = 8960 at 5 rows and more, go in segments of K so a
+// tile's activations stay in the L1 cache; whether multi-row calls prefetch their weights) is
+// chosen per machine at run time (set_schedule; schedule.py measures), each variant starting from
+// the loops measured fastest where it was written.
 // The work is split over output features in chunks, each thread one contiguous run of them.
 // Every output depends only on its own row of x, computed by the same instructions whatever the
 // tile: the kernel is batch-invariant.
@@ -63,6 +64,7 @@ struct ActView {
   const float *dx, *xs32;
   const int16_t* xs16;
   int64_t nb, kp;
+  int64_t prefetch;  // bytes ahead of the decoded weight block to prefetch, 0 for none
 };
 
 // Shared by every variant's row kernels (included below).
@@ -77,6 +79,17 @@ inline void unpack_q4k_scales(const uint8_t* packed, uint32_t u[4]) {
   u[1] = (u[2] & kmask2) | (((u[0] >> 6) & kmask3) << 4);
   u[2] = mins_low;
   u[0] &= kmask1;
+}
+
+// With the schedule's kSchedulePrefetch, a call of several rows asks for the weight bytes
+// a.prefetch ahead of the block it decodes (the next blocks of the row, then the next rows): with
+// a long K, each weight row also streams its tile's activations in from the L2 cache, and on a
+// Zen 4 EPYC the hardware prefetchers then fell behind the weights (K = 8960 at 2 to 16 rows ran
+// 15-35% faster with this, docs/quantized.md; one row, where they keep up, ran 7-15% slower).
+inline void prefetch_weights(const ActView& a, const uint8_t* block, int64_t bytes) {
+  if (a.prefetch > 0) {
+    for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(block) + a.prefetch + o, _MM_HINT_T0);
+  }
 }
 
 // After blocks b0 .. b1 - 1 of a weight row: its R partial sums kept in state (8 floats a row) for
@@ -159,10 +172,12 @@ Activations quantize_rows(const at::Tensor& x, int64_t nb) {
   return a;
 }
 
-// The loop schedule, bits of kScheduleTileOuter and kScheduleSegmentK (see kq_matmul); every
-// schedule computes the same results, so changing it between calls changes only the speed.
-constexpr int64_t kScheduleTileOuter = 1, kScheduleSegmentK = 2;
+// The schedule, bits of kScheduleTileOuter and kScheduleSegmentK (the loops, see kq_matmul) and
+// kSchedulePrefetch (prefetch_weights); every schedule computes the same results, so changing it
+// between calls changes only the speed.
+constexpr int64_t kScheduleTileOuter = 1, kScheduleSegmentK = 2, kSchedulePrefetch = 4;
 std::atomic<int64_t> g_schedule{(kTileOuter ? kScheduleTileOuter : 0) | (kSegmentK ? kScheduleSegmentK : 0)};
+constexpr int64_t kPrefetchBytes = 2048;  // 1-6 KiB measured alike on the Zen 4 EPYC
 
 int64_t block_bytes(int64_t qtype) {
   TORCH_CHECK(qtype == kQ4K || qtype == kQ6K, "kquant runs Q4_K (12) and Q6_K (14) weights, got type ", qtype);
@@ -202,9 +217,10 @@ std::vector<at::Tensor> kq_matmul(const at::Tensor& x, at::TensorList weights, a
     yp[i] = ys.back().data_ptr<float>();
   }
   if (rows == 0) return ys;
+  const int64_t schedule = g_schedule.load(std::memory_order_relaxed);
   const Activations a = quantize_rows(x, nb);
   const ActView view{a.xq.data_ptr<int8_t>(), a.dx.data_ptr<float>(), a.xs32.data_ptr<float>(),
-                     a.xs16.data_ptr<int16_t>(), nb, a.kp};
+                     a.xs16.data_ptr<int16_t>(), nb, a.kp, rows > 1 && (schedule & kSchedulePrefetch) ? kPrefetchBytes : 0};
   // Chunks of output features, weight by weight: (weight, first feature, end feature). About 32 KiB
   // of weights each (16 rows of K = 8960, 56 of K = 1024): each chunk is a few microseconds of
   // work, so taking one (an atomic step of the dynamic schedule) costs little beside it (16 rows
@@ -223,7 +239,6 @@ std::vector<at::Tensor> kq_matmul(const at::Tensor& x, at::TensorList weights, a
   // segments of blocks, the partial sums of each (weight row, activation row) waiting in `state`
   // between segments. Each row's blocks are summed in the same order whatever the order, segments
   // and tiles, so the results depend on none of them (nor on the row count).
-  const int64_t schedule = g_schedule.load(std::memory_order_relaxed);
   const bool tile_outer = schedule & kScheduleTileOuter, segment_k = schedule & kScheduleSegmentK;
   const int64_t tile_rows = std::min<int64_t>(rows, kTile);
   const int64_t seg = segment_k && tile_rows * a.kp > 16384 ? std::max<int64_t>(1, 16384 / (tile_rows * kBlock)) : nb;
@@ -270,10 +285,11 @@ std::tuple<at::Tensor, at::Tensor> quantize_activations(const at::Tensor& x) {
 
 std::string isa() { return kIsa; }
 
-// Sets the loop schedule (bits: 1 tiles outer, 2 long K in segments) where `schedule` >= 0; returns
-// the schedule in force before (so -1 only reads it).
+// Sets the schedule (bits: 1 tiles outer, 2 long K in segments, 4 prefetch the weights of multi-row
+// calls) where `schedule` >= 0; returns the schedule in force before (so -1 only reads it).
 int64_t set_schedule(int64_t schedule) {
-  TORCH_CHECK(schedule <= (kScheduleTileOuter | kScheduleSegmentK), "schedule bits are 1 (tiles outer) and 2 (segments of K), got ", schedule);
+  TORCH_CHECK(schedule <= (kScheduleTileOuter | kScheduleSegmentK | kSchedulePrefetch),
+              "schedule bits are 1 (tiles outer), 2 (segments of K) and 4 (prefetch), got ", schedule);
   return schedule < 0 ? g_schedule.load() : g_schedule.exchange(schedule);
 }
 

@@ -30,6 +30,7 @@ void q4k_tile(const uint8_t* w, const ActView& a, int64_t r0, int64_t b0, int64_
   for (int r = 0; r < R; ++r) acc[r] = b0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(state + 8 * r);
   for (int64_t b = b0; b < b1; ++b) {
     const uint8_t* blk = w + b * 144;
+    prefetch_weights(a, blk, 144);
     const float d = f16_to_f32(blk), dmin = f16_to_f32(blk + 2);
     uint32_t u[4];
     unpack_q4k_scales(blk + 4, u);
@@ -74,6 +75,7 @@ void q6k_tile(const uint8_t* w, const ActView& a, int64_t r0, int64_t b0, int64_
   for (int r = 0; r < R; ++r) acc[r] = b0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(state + 8 * r);
   for (int64_t b = b0; b < b1; ++b) {
     const uint8_t* ql = w + b * 210;
+    prefetch_weights(a, ql, 210);
     const uint8_t* qh = ql + 128;
     const float d = f16_to_f32(ql + 208);
     __m256i isum[R];
