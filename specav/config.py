@@ -300,6 +300,12 @@ class AdaptiveConfig:
     cost_shape_halflife: observations of a profiled token count, half-life of the shape of the
         online correction (what the level leaves unexplained at that count: a start-up profile's
         wrong shape, learnt more slowly than the drift). Default 32.
+    cold_start_after: tokens a request emits (target-only) before it may draft the cold start's
+        block, the one block whose features stand for all traffic until more is drafted. The first
+        tokens of an answer are its least predictable: on the packaged pair the cold start's block,
+        drafted at an answer's first token, had 0 or 1 of 8 slots accepted on code, where static
+        K = 4 keeps about 85% of its slots, and the features of that one block refused every
+        request's entry (docs/adaptive.md). Default 16; 0 drafts it at once.
     seed: seed of the exploration generator.
     """
 
@@ -312,6 +318,7 @@ class AdaptiveConfig:
     rate_halflife: float = 16.0
     cost_halflife: float = 8.0
     cost_shape_halflife: float = 32.0
+    cold_start_after: int = 16
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -328,6 +335,8 @@ class AdaptiveConfig:
                "a share of steps in [0, 1] (0.02 = 2%)")
         _check(isinstance(self.probe_interval, int) and self.probe_interval >= 1, w, "probe_interval",
                self.probe_interval, "an integer >= 1")
+        _check(isinstance(self.cold_start_after, int) and self.cold_start_after >= 0, w, "cold_start_after",
+               self.cold_start_after, "a number of tokens >= 0")
         _check(isinstance(self.max_probe_interval, int) and self.max_probe_interval >= self.probe_interval, w,
                "max_probe_interval", self.max_probe_interval, f"an integer >= probe_interval ({self.probe_interval})")
         for name in ("rate_halflife", "cost_halflife", "cost_shape_halflife"):

@@ -92,10 +92,12 @@ class QSampledEstimator(OnlineAcceptanceEstimator):
 
 def make_planner(cls=FixedPricePlanner, scorer=None, exploration: float = 0.0, k: int = K, price: float = PRICE,
                  cost=None, rate: float | None = None, control_share: float = 0.0, min_speedup: float = 1.0,
-                 **config):
-    """The planner at a fixed price (and catch-up rate, times min_speedup); control steps off unless asked."""
+                 cold_start_after: int = 0, **config):
+    """The planner at a fixed price (and catch-up rate, times min_speedup); control steps off and the
+    cold start at a request's first token (the short requests here) unless asked."""
     scorer = scorer or OnlineAcceptanceEstimator(k, EstimatorConfig())
-    config = AdaptiveConfig(exploration=exploration, control_share=control_share, min_speedup=min_speedup, **config)
+    config = AdaptiveConfig(exploration=exploration, control_share=control_share, min_speedup=min_speedup,
+                            cold_start_after=cold_start_after, **config)
     return cls(k, scorer, cost or cost_model(), config, price=price, rate=rate)
 
 

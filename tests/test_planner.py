@@ -52,9 +52,13 @@ def _decoding_record(batch, drafted, admitted, accepted, seconds):
     return Record()
 
 
-def planner(k: int = 4, exploration: float = 0.0, control_share: float = 0.0, **config) -> AdaptivePlanner:
+def planner(k: int = 4, exploration: float = 0.0, control_share: float = 0.0, cold_start_after: int = 0,
+            **config) -> AdaptivePlanner:
+    """The planner on cost_model(); exploration and control steps off, and the cold start allowed at a
+    request's first token (these requests emit nothing), unless asked."""
     return AdaptivePlanner(k, OnlineAcceptanceEstimator(k), cost_model(),
-                           AdaptiveConfig(exploration=exploration, control_share=control_share, **config))
+                           AdaptiveConfig(exploration=exploration, control_share=control_share,
+                                          cold_start_after=cold_start_after, **config))
 
 
 def drafts_for(counts: list[int], k: int) -> DraftBatch:
@@ -240,6 +244,23 @@ def test_cold_start_drafts_one_whole_block_the_cheapest_catch_up():
     assert p.draft_plan(requests(3), [4, 4, 4], shapes).num_slots == [4, 4, 4]
 
 
+def test_the_cold_start_block_comes_after_an_answers_first_tokens():
+    """The one block that stands for all traffic is not drawn at an answer's start, its least
+    predictable part: until a request has emitted cold_start_after tokens every request decodes
+    target-only, then the cheapest catch-up among those that have drafts it."""
+    p = planner(4, cold_start_after=16)
+    batch = requests(3)
+    shapes = [RequestShape(1, 50, draft_pending=50), RequestShape(1, 10, draft_pending=10),
+              RequestShape(1, 30, draft_pending=30)]
+    assert p.draft_plan(batch, [4, 4, 4], shapes).num_slots == [0, 0, 0]
+    batch[0].output_ids = [7] * 16
+    batch[2].output_ids = [7] * 15
+    plan = p.draft_plan(batch, [4, 4, 4], shapes)
+    assert plan.num_slots == [4, 0, 0] and plan.reasons == ("cold start", "", "")
+    batch[2].output_ids.append(7)
+    assert p.draft_plan(batch, [4, 4, 4], shapes).num_slots == [0, 0, 4]  # the cheaper catch-up of the two
+
+
 def test_the_cold_start_waits_until_a_perfect_drafter_could_repay_it():
     """The cold start is an investment in learning: made only if, with every draft accepted, drafting
     would beat target-only decoding over the batch's remaining tokens by more than the cold start
@@ -260,7 +281,7 @@ def test_the_cold_start_waits_until_a_perfect_drafter_could_repay_it():
     assert p.draft_plan(batch[:1], [4], shape).num_slots == [0]
     assert p.draft_plan(batch, [4] * 3, shape * 3).num_slots == [4, 0, 0]
     dear = AdaptivePlanner(4, OnlineAcceptanceEstimator(4), cost_model(verify_per_token=1.0),
-                           AdaptiveConfig(exploration=0.0, control_share=0.0))
+                           AdaptiveConfig(exploration=0.0, control_share=0.0, cold_start_after=0))
     assert drafted(dear, 100_000) == [0]  # a verified slot costs a whole step: even a perfect drafter loses
     assert not dear.population.features and dear.cost.plain_observations == 0  # nothing learnt, nothing drafted
 

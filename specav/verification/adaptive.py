@@ -49,17 +49,20 @@ Rules (survival s_i = product of a request's confidences 1..i, architecture.md):
   the target-only rate, times its expected remaining steps); otherwise it decodes target-only
   and is probed later like a request that stopped.
 * Cold start. With nothing known (no request has drafted yet), one request drafts and has
-  verified its whole block, as an exploring request does: the one whose drafter has the fewest
-  tokens to catch up on; the others wait one step for the population's features, which then
-  stand in for a new request's own history. A whole block, because one slot's feature would
-  stand for the whole population: a first slot rejected made every later request's catch-up look
-  unpaid (code at concurrency 1: the first two requests never drafted). Only where learning
-  could pay: if every draft were accepted, drafting the best block must beat target-only
-  decoding over the batch's remaining tokens by more than the cold start costs (the catch-up,
-  the whole block, and the drafter's load where it is deferred until a plan first drafts:
-  `CostModel.draft_setup`). Where even a perfect drafter would not repay it (a short request, or
-  a machine whose verification costs several one-token forwards), nothing drafts, and a deferred
-  drafter is never loaded; the bound is checked every step with that step's cost model.
+  verified its whole block, as an exploring request does: of the requests that have emitted
+  `cold_start_after` tokens (an answer's first tokens are its least predictable, and this one
+  block stands for all traffic until more is drafted), the one whose drafter has the fewest
+  tokens to catch up on. Until one has, every request decodes target-only; after the block, the
+  others wait one step for the population's features, which then stand in for a new request's
+  own history. A whole block, because one slot's feature would stand for the whole population:
+  a first slot rejected made every later request's catch-up look unpaid (code at concurrency 1:
+  the first two requests never drafted). Only where learning could pay: if every draft were
+  accepted, drafting the best block must beat target-only decoding over the batch's remaining
+  tokens by more than the cold start costs (the catch-up, the whole block, and the drafter's
+  load where it is deferred until a plan first drafts: `CostModel.draft_setup`). Where even a
+  perfect drafter would not repay it (a short request, or a machine whose verification costs
+  several one-token forwards), nothing drafts, and a deferred drafter is never loaded; the bound
+  is checked every step with that step's cost model.
 * Admit (the plan stage, the trim). Drafting is sunk by then, so a slot pays if its survival
   s >= lambda * (marginal verify seconds, attention to the request's context included). All
   drafted slots of the batch are scanned in descending survival (ties by position, then by
@@ -338,9 +341,10 @@ class AdaptivePlanner:
             return []
         unknown = [i for i, (r, m) in enumerate(zip(requests, max_slots))
                    if m > 0 and not self._known(self._history(r))]
-        if not unknown:
-            return []
-        first = min(unknown, key=lambda i: (shapes[i].draft_pending, i))
+        ready = [i for i in unknown if len(requests[i].output_ids) >= self.config.cold_start_after]
+        if not ready:
+            return []  # (an answer's first tokens are its least predictable: AdaptiveConfig.cold_start_after)
+        first = min(ready, key=lambda i: (shapes[i].draft_pending, i))
         remaining = sum(requests[i].remaining for i in unknown)
         return [first] if self._cold_start_pays(shapes[first], remaining, len(shapes), rate, draft_row) else []
 
