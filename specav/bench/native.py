@@ -13,7 +13,7 @@ section ends with how many cores other processes kept busy meanwhile, bench/load
   128-token context with logits for every new token (verification), --threads threads, median of
   --repeats, and the 5- and 16-row forwards relative to the one-row forward (goals: <= 1.3x and
   <= 2x);
-- schedule: the k-quant kernel under each loop schedule (native/schedule.py), as the schedule's own
+- schedule: the k-quant kernel under each schedule (native/schedule.py), as the schedule's own
   measurement times it (ms per call, one thread, cache-cold), and the same forwards as above, the
   schedules in turns; which one this machine runs;
 - drafter: the packaged drafter's one-row forward in `auto` (every layer native) relative to the
@@ -121,7 +121,7 @@ def forwards(models: dict, rows: tuple[int, ...], repeats: int) -> dict[str, dic
 
 
 def schedule_table(target, repeats: int) -> None:
-    """The kernel and the target's packed forwards under each loop schedule, in turns (the chosen one
+    """The kernel and the target's packed forwards under each schedule, in turns (the chosen one
     restored)."""
     ops = native.ops()
     chosen = ops.set_schedule(-1)

@@ -4,7 +4,7 @@ operations of a decoder layer (layers.cpp).
 
 Owns: choosing the variant this process runs (variants.py, best first: AVX-512 VNNI, then AVX2),
 through the safe probe of probe.py (feature bits, OS permission, a self-test in a child process,
-its outcome cached beside the build), and loading that variant's library with the loop schedule
+its outcome cached beside the build), and loading that variant's library with the kernel schedule
 measured fastest on this machine (schedule.py, also cached beside the build). `ops()` is its op
 namespace (`torch.ops.specav_<variant>`): `kq_matmul`, `quantize_activations`, `quantize_q4_k`,
 `rms_norm`, `add_rms_norm_`, `silu_mul`, `rope_`, `attention`, `set_schedule`. `variant_ops(name)` loads one

@@ -84,8 +84,8 @@ inline void unpack_q4k_scales(const uint8_t* packed, uint32_t u[4]) {
 // With the schedule's kSchedulePrefetch, a call of several rows asks for the weight bytes
 // a.prefetch ahead of the block it decodes (the next blocks of the row, then the next rows): with
 // a long K, each weight row also streams its tile's activations in from the L2 cache, and on a
-// Zen 4 EPYC the hardware prefetchers then fell behind the weights (K = 8960 at 2 to 16 rows ran
-// 15-35% faster with this, docs/quantized.md; one row, where they keep up, ran 7-15% slower).
+// Zen 4 EPYC the hardware prefetchers then fell behind the weights (K = 8960 at 2 to 16 rows took
+// 14-40% less time with this, docs/quantized.md; one row, where they keep up, 7-15% more).
 inline void prefetch_weights(const ActView& a, const uint8_t* block, int64_t bytes) {
   if (a.prefetch > 0) {
     for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(block) + a.prefetch + o, _MM_HINT_T0);

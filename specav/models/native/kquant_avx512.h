@@ -21,7 +21,7 @@ constexpr int kTile = 8;
 // The schedule this variant starts from (kquant.cpp; schedule.py measures which runs fastest on
 // the machine at hand): each tile passes over every weight row of a chunk, long K in segments,
 // measured 10-25% faster at 5 and 16 rows than the AVX2 variant's order on the Zen 5 EPYC above
-// (docs/quantized.md), 20-40% slower on the K = 8960 weights of a Zen 4 EPYC.
+// (docs/quantized.md), 7-41% slower on the K = 8960 weights of a Zen 4 EPYC at 3 to 16 rows.
 constexpr bool kTileOuter = true, kSegmentK = true;
 constexpr const char* kIsa = "avx512vl avx512vnni (256-bit) avx2 fma f16c";
 

@@ -8,7 +8,7 @@ schedule computes the same results bit for bit (tests/test_quant.py), so the cho
 alone, and which is fastest depends on the CPU's caches, not on its instruction set: segments
 were written for a Zen 5 EPYC, where they made 5 and 16 rows 10-25% faster, and on a Zen 4 EPYC
 the same AVX-512 variant ran the target's K = 8960 weights 7-41% slower with them at 3 to 16
-rows, and 15-35% faster at 2 to 16 rows with the prefetch, which the hardware's prefetchers made
+rows, and took 14-40% less time at 2 to 16 rows with the prefetch, which the hardware's prefetchers made
 useless at one row (docs/quantized.md). So each schedule is timed here on synthetic weights of a long-K shape
 (N = 1536, K = 8960, Q4_K and Q6_K: the packaged target's down projections) and a short one
 (N = 8960, K = 1536, Q4_K) at the row counts of verification (`ROWS`), one thread, cache-cold,

@@ -8,8 +8,8 @@ and {"ok": true} when every op agrees with its reference; {"ok": false, "stage":
 "selftest", "reason": ...} otherwise.
 
 The checks are the tests' in miniature (tests/test_quant.py, tests/test_native_layers.py):
-the k-quant matmul against a float64 product of gguf's dequantised weights with the kernel's own
-int8 activations, multi-row outputs equal to one-row outputs bit for bit, the Q4_K quantiser
+the k-quant matmul, under every schedule, against a float64 product of gguf's dequantised weights
+with the kernel's own int8 activations, multi-row outputs equal to one-row outputs bit for bit, the Q4_K quantiser
 through gguf's dequantiser, and the layer ops and vocabulary passes against torch.
 
 Must not know: which variant is chosen, or where its result is kept (probe.py).
@@ -40,7 +40,7 @@ def random_blocks(qtype: int, n: int, k: int, gen: np.random.Generator) -> np.nd
 
 
 def check_matmul(ops, gen: np.random.Generator) -> None:
-    """Under every loop schedule (K = 2304 runs in segments at 8 rows where a schedule has them)."""
+    """Under every schedule of kquant.cpp (K = 2304 runs in segments at 8 rows where a schedule has them)."""
     import gguf
 
     from specav.models.native.schedule import SCHEDULES
@@ -51,15 +51,15 @@ def check_matmul(ops, gen: np.random.Generator) -> None:
     xq, dx = ops.quantize_activations(x)
     x_used = (xq.double().view(9, k // 256, 256) * dx.double()[..., None]).view(9, k)
     weights = [random_blocks(q, 24, k, gen) for q in (Q4_K, Q6_K)]
+    expected = [x_used @ torch.from_numpy(gguf.quants.dequantize(w, gguf.GGMLQuantizationType(q)).astype(np.float64)).t()
+                for q, w in zip((Q4_K, Q6_K), weights)]
     saved = ops.set_schedule(-1)
     try:
         for schedule in SCHEDULES:
             ops.set_schedule(schedule)
             ys = ops.kq_matmul(x, [torch.from_numpy(w) for w in weights], [Q4_K, Q6_K], [None, None])
-            for qtype, w, y in zip((Q4_K, Q6_K), weights, ys):
-                dense = torch.from_numpy(gguf.quants.dequantize(w, gguf.GGMLQuantizationType(qtype)).astype(np.float64))
-                expected = x_used @ dense.t()
-                error = ((y.double() - expected).norm() / expected.norm()).item()
+            for qtype, w, y, e in zip((Q4_K, Q6_K), weights, ys, expected):
+                error = ((y.double() - e).norm() / e.norm()).item()
                 if not error < 1e-5:
                     raise AssertionError(f"kq_matmul type {qtype}, schedule {schedule}: relative error {error:.2e} "
                                          "against float64")
