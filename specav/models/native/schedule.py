@@ -1,4 +1,4 @@
-"""The k-quant matmul's loop schedule on this machine: measured once, kept beside the build.
+"""The k-quant matmul's schedule on this machine: measured once, kept beside the build.
 
 Owns: the schedule a loaded variant runs (kquant.cpp `set_schedule`, three bits: TILES_OUTER, each
 tile of activation rows passes over every weight row of a chunk, else each weight row over every
@@ -36,9 +36,9 @@ import numpy as np
 import torch
 
 from specav.models.native import probe
+from specav.models.native.selftest import Q4_K as _Q4_K, Q6_K as _Q6_K, random_blocks
 
 log = logging.getLogger(__name__)
-_Q4_K, _Q6_K = 12, 14  # ggml type codes
 
 TILES_OUTER, SEGMENTS, PREFETCH = 1, 2, 4  # the schedule's bits (kquant.cpp)
 SCHEDULES = tuple(range(8))
@@ -75,8 +75,6 @@ def choose(times: dict[int, list[float]], default: int) -> int:
 def measure(ops, repeats: int = REPEATS, timer: Callable[[], float] = time.perf_counter) -> dict[int, list[float]]:
     """Median seconds of each schedule on each (shape, rows) case, one thread, the schedules in turns;
     leaves the schedule as it found it."""
-    from specav.models.native.selftest import random_blocks
-
     gen = np.random.default_rng(0)
     weights = [(torch.from_numpy(random_blocks(q, n, k, gen)), q, k) for q, n, k in SHAPES]
     cases = [(w, q, torch.from_numpy(gen.standard_normal((rows, k)).astype(np.float32)))
@@ -117,7 +115,7 @@ def apply(ops, directory: Path, flags: set[str], measure_fn: Callable[[object], 
         kept = {"schedule": choose(times, default), "default": default,
                 "relative": {str(s): round(r, 3) for s, r in relative(times, default).items()}}
         probe.write_cache(directory, _FILE, key, kept)
-        log.info("native kernels: loop schedule %d (%s), measured relative to the default %d: %s",
+        log.info("native kernels: schedule %d (%s), measured relative to the default %d: %s",
                  kept["schedule"], describe(kept["schedule"]), default, kept["relative"])
     ops.set_schedule(kept["schedule"])
     return kept["schedule"]
