@@ -53,16 +53,6 @@ def score_drafts(scorer: Scorer, drafts: DraftBatch, num_slots: int) -> Scores:
     return Scores(features, confidences, survival(confidences))
 
 
-def score_column(scorer: Scorer, feature: torch.Tensor, position: int, num_slots: int) -> torch.Tensor:
-    """Confidences of A slots that all sit at one 0-based `position` # [A] -> # [A] float64.
-
-    Used while drafting, before the other slots exist (a stop rule scores slot i as it is drafted).
-    """
-    features = torch.full((feature.shape[0], num_slots), float("nan"), dtype=torch.float64)
-    features[:, position] = feature.to(torch.float64)
-    return scorer.score(features)[:, position]
-
-
 def make_scorer(num_slots: int, config: EstimatorConfig = EstimatorConfig(),
                 head: Scorer | None = None) -> Scorer:
     """The drafter's confidence head if it provides one, else an online estimator over K slots."""

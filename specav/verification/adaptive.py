@@ -95,7 +95,7 @@ import torch
 
 from specav.acceptance.estimator import survival
 from specav.acceptance.features import require_lossless
-from specav.acceptance.scorer import Scorer, score_column
+from specav.acceptance.scorer import Scorer
 from specav.config import AdaptiveConfig
 from specav.request import Request
 from specav.types import DraftBatch, Plan, Scores, StepRecord, attended
@@ -181,34 +181,46 @@ def _no_draft(batch: int, price: float, shapes: Sequence[RequestShape]) -> Draft
 
 
 class _SurvivalStop:
-    """The draft rule for one step: after each slot, which requests draft the next one."""
+    """The draft rule for one step: after each slot, which requests draft the next one.
+
+    Runs after every drafter forward, so its per-request state is plain Python (at concurrency 1 a
+    step asks it up to K - 1 times, and tensor ops on a handful of numbers cost more than the math)."""
 
     def __init__(self, planner: "AdaptivePlanner", forced: torch.Tensor, price: float, verify_tokens: int,
                  shapes: Sequence[RequestShape]) -> None:
         self.planner = planner
-        self.forced = forced  # [B] bool: exploring requests draft every slot
+        self.forced = forced.tolist()  # [B] bool: exploring requests draft every slot
         self.price = price
-        self.survival = torch.ones(forced.shape[0], dtype=torch.float64)  # [B] s_j of the last drafted slot
+        self.survival = [1.0] * len(self.forced)  # [B] s_j of the last drafted slot
         self.verify_tokens = verify_tokens  # tokens verification will pack if every drafted slot is admitted
         self.shapes = shapes
 
     def keep_drafting(self, slot: int, rows: Sequence[int], features: dict[str, torch.Tensor]) -> torch.Tensor:
         p = self.planner
-        idx = torch.as_tensor(list(rows), dtype=torch.int64)
         f = features[p.scorer.feature].to(torch.float64)  # [A]
-        self.survival[idx] *= torch.nan_to_num(score_column(p.scorer, f, slot, p.num_slots), nan=0.0)
+        # each request's feature scored at every position: its slot's confidence, and what it
+        # predicts of the deeper slots (nothing of this step's drafts past it)
+        confidences = torch.nan_to_num(p.scorer.score(f[:, None].expand(-1, p.num_slots)), nan=0.0).tolist()
+        for r, c in zip(rows, confidences):
+            self.survival[r] *= c[slot]
         self.verify_tokens += len(rows)
-        keep = self.forced[idx].clone()  # [A]
-        if slot + 1 >= p.num_slots:
-            return keep
-        free = (~keep).nonzero().flatten().tolist()
-        attended = [self.shapes[rows[j]].slot_attended + slot + 1 for j in free]
-        gains = p.block_gains(f[free], self.survival[idx][free], slot + 1, self.price, self.verify_tokens,
-                              p._draft_row(len(rows)), attended)
-        chosen = p.choose(gains, [1] * len(free), int(keep.sum()), self.price, self.verify_tokens, attended)
-        for j in chosen:
-            keep[free[j]] = True
-        return keep
+        keep = [self.forced[r] for r in rows]  # [A]
+        free = [j for j, forced in enumerate(keep) if not forced]
+        if slot + 1 < p.num_slots and free:
+            attended = [self.shapes[rows[j]].slot_attended + slot + 1 for j in free]
+            expected = []  # per free request, expected accepted tokens of drafting 1, 2, ... more slots
+            for j in free:
+                survival, total, row = self.survival[rows[j]], 0.0, []
+                for c in confidences[j][slot + 1:]:
+                    survival *= c
+                    total += survival
+                    row.append(total)
+                expected.append(row)
+            gains = p.best_blocks(expected, self.price, self.verify_tokens, p._draft_row(len(rows)), attended)
+            for j in p.choose(gains, [1] * len(free), len(rows) - len(free), self.price, self.verify_tokens,
+                              attended):
+                keep[free[j]] = True
+        return torch.tensor(keep, dtype=torch.bool)
 
 
 @register("adaptive")
@@ -222,7 +234,6 @@ class AdaptivePlanner:
                  config: AdaptiveConfig = AdaptiveConfig(), **_: object) -> None:
         require_lossless(scorer.feature)  # trimming on a feature that reads x_i would be lossy
         self.num_slots = num_slots
-        self._slots = torch.arange(1, num_slots + 1, dtype=torch.float64)  # [K] 1..K
         self.scorer = scorer
         self.cost = cost
         self.config = config
@@ -378,8 +389,8 @@ class AdaptivePlanner:
         whole_block, its whole block drafted and verified once), and the drafter's setup where it
         has not drafted yet (its deferred load: drafting/deferred.py); blocks priced as if nothing
         else drafted in their steps, after `pending` tokens."""
-        block_seconds = self._block_seconds(pending, draft_row, [shape.slot_attended])[0] + \
-            self.cost.drafting_premium(pending)
+        block_seconds = torch.tensor(self._block_seconds(pending, draft_row, [shape.slot_attended])[0],
+                                     dtype=torch.float64) + self.cost.drafting_premium(pending)
         values = expected - rate * block_seconds
         best = int(values.argmax())
         if values[best] <= 0:
@@ -434,9 +445,15 @@ class AdaptivePlanner:
         each request's latest feature, standing in for its deeper slots', or # [A, M] samples of it
         with weights # [A, M] (see _predicted_blocks); prefix # [A]: its survival up to slot `start`
         (exclusive)."""
-        expected = self._predicted_blocks(features, weights, prefix, start)  # [A, K - start]
-        seconds = self._block_seconds(verify_tokens, draft_row, slot_attended)[:, :expected.shape[1]]
-        return (expected - price * (seconds - seconds[:, :1])).max(dim=1).values.tolist()
+        expected = self._predicted_blocks(features, weights, prefix, start).tolist()  # [A][K - start]
+        return self.best_blocks(expected, price, verify_tokens, draft_row, slot_attended)
+
+    def best_blocks(self, expected: list[list[float]], price: float, verify_tokens: int, draft_row: float,
+                    slot_attended: Sequence[int]) -> list[float]:
+        """Per request, the value of its best block, from expected # [A][n] accepted tokens of blocks
+        of 1..n slots, less what its slots beyond the first cost (see block_gains)."""
+        seconds = self._block_seconds(verify_tokens, draft_row, slot_attended)  # [A][K]
+        return [max(e - price * (s - row[0]) for e, s in zip(tokens, row)) for tokens, row in zip(expected, seconds)]
 
     def _history_samples(self, requests: Sequence[Request]) -> tuple[torch.Tensor, torch.Tensor]:
         """Each request's samples of its next slot's feature and their weights # [A, M] each (zero
@@ -467,13 +484,13 @@ class AdaptivePlanner:
             survivals = (w[:, :, None] * survivals.reshape(a, m, -1)).sum(1)  # [A, K - start]
         return torch.cumsum(prefix[:, None] * survivals, dim=1)
 
-    def _block_seconds(self, verify_tokens: int, draft_row: float, slot_attended: Sequence[int]) -> torch.Tensor:
-        """Seconds that drafting and verifying 1..K slots add to the step, per request # [A, K]
+    def _block_seconds(self, verify_tokens: int, draft_row: float, slot_attended: Sequence[int]) -> list[list[float]]:
+        """Seconds that drafting and verifying 1..K slots add to the step, per request # [A][K]
         (slot_attended: what each of its slots attends to; attention is linear in it)."""
-        n = self._slots  # [K]
-        tokens = torch.tensor(self.cost.verify_added_each(verify_tokens, self.num_slots), dtype=torch.float64)  # [K]
-        attention = torch.tensor(slot_attended, dtype=torch.float64)[:, None] * n * self.cost.per_position()
-        return (n * draft_row + tokens)[None, :] + attention
+        verify = self.cost.verify_added_each(verify_tokens, self.num_slots)  # [K]
+        block = [n * draft_row + v for n, v in enumerate(verify, start=1)]
+        per_position = self.cost.per_position()
+        return [[b + a * n * per_position for n, b in enumerate(block, start=1)] for a in slot_attended]
 
     def _draft_row(self, rows: int) -> float:
         """A row's share of a drafter forward of `rows` rows (for one row: the whole forward). Deeper
@@ -513,16 +530,12 @@ class AdaptivePlanner:
             verify_tokens += 1
 
     @staticmethod
-    def _ranked_slots(survival: torch.Tensor, counts: torch.Tensor, explore: torch.Tensor):
+    def _ranked_slots(survival: torch.Tensor, counts: torch.Tensor, explore: torch.Tensor) -> list[tuple[int, int, float]]:
         """Drafted slots of non-exploring requests as (request, 0-based position, survival), in
         descending survival; ties by position, then by request."""
-        b, k = survival.shape
-        position = torch.arange(k).expand(b, k)
-        request = torch.arange(b)[:, None].expand(b, k)
-        keep = (position < counts[:, None]) & ~explore[:, None]
-        s, i, r = survival[keep], position[keep], request[keep]
-        order = sorted(range(s.shape[0]), key=lambda j: (-float(s[j]), int(i[j]), int(r[j])))
-        return [(int(r[j]), int(i[j]), float(s[j])) for j in order]
+        s, exploring = survival.tolist(), explore.tolist()
+        slots = [(b, i, s[b][i]) for b, n in enumerate(counts.tolist()) if not exploring[b] for i in range(n)]
+        return sorted(slots, key=lambda slot: (-slot[2], slot[1], slot[0]))
 
     # ---- observe -------------------------------------------------------------------------
 
