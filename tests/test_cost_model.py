@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from sklearn.isotonic import IsotonicRegression
 
 from specav.types import StageTimes
-from specav.verification.cost_model import CostCurve, CostModel, CostProfile, isotonic
+from specav.verification.cost_model import CostCurve, CostModel, CostProfile, isotonic, monotone
 
 
 @given(st.lists(st.floats(0, 10, allow_nan=False), min_size=1, max_size=30))
@@ -24,10 +24,26 @@ def test_isotonic_equals_scikit_learn(values):
 
 def test_curve_is_monotone_even_when_a_measurement_is_noisy():
     curve = CostCurve.fit({1: 10.0, 2: 12.0, 4: 11.0, 8: 20.0})  # 4 tokens measured faster than 2
-    assert list(curve.seconds) == [10.0, 11.5, 11.5, 20.0]
+    # the least-squares monotone fit pools 2 and 4 at 11.5; placed at their mean size, 3, and joined
+    # to the points around it, the curve rises through them instead of a flat step (where a slot is free)
+    assert curve.seconds == pytest.approx((10.0, 10.75, 11.5 + 8.5 / 5, 20.0))
     xs = np.linspace(0, 40, 401)
     ys = [curve(x) for x in xs]
     assert all(b >= a for a, b in zip(ys, ys[1:]))
+
+
+@given(st.lists(st.floats(0, 10, allow_nan=False), min_size=1, max_size=30))
+@settings(max_examples=200, deadline=None)
+def test_monotone_fit_has_the_least_squares_runs_and_no_flat_steps_noise_made(values):
+    sizes = list(range(1, len(values) + 1))
+    fitted = monotone(sizes, values)
+    assert all(b >= a for a, b in zip(fitted, fitted[1:])) and min(fitted) >= 0
+    if values == sorted(values):
+        assert fitted == pytest.approx(values)  # nothing to pool: the measurements themselves
+    runs = isotonic(values)
+    for i in range(1, len(values) - 1):  # inside a pooled run between two higher and lower runs, it rises
+        if runs[i - 1] == runs[i] == runs[i + 1] and runs[0] < runs[i] < runs[-1]:
+            assert fitted[i - 1] < fitted[i] < fitted[i + 1]
 
 
 def test_curve_interpolates_and_extends_with_the_last_slope():

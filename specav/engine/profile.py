@@ -39,10 +39,12 @@ VERIFY_TOKENS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 64)  # past 64 the
 DRAFT_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 SHORT_CONTEXT, LONG_CONTEXT = 64, 576
 CATCH_UP = 128  # tokens of one request in one drafter forward: a catch-up (a new prompt, skipped tokens)
-PROFILE_VERSION = 5  # bumped when what is measured, or how, changes (2: thread policy warmed first; 3: catch-up;
-#                     4: attention priced per attended position; 5: the thread policy's doubling groups)
+PROFILE_VERSION = 6  # bumped when what is measured, or how, changes (2: thread policy warmed first; 3: catch-up;
+#                     4: attention priced per attended position; 5: the thread policy's doubling groups;
+#                     6: 7 repeats, curves fitted without flat steps)
 ATTENTION_TOKENS = 16  # the verify that measures attention's per-position cost (or the largest measured)
-REPEATS = 3
+REPEATS = 7  # per size: with 3, on the Zen 4 EPYC, verify(16) / verify(8) read 1.42-1.94 in four profiles minutes
+#             apart and adjacent sizes pooled into flat steps (a slot priced free); with 7, 1.54-1.67
 _PARAMS = SamplingParams(temperature=0.7, top_k=20, top_p=0.8, max_tokens=1 << 20)  # the usual sampling
 
 
