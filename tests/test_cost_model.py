@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from sklearn.isotonic import IsotonicRegression
 
 from specav.types import StageTimes
-from specav.verification.cost_model import CostCurve, CostModel, CostProfile, isotonic, monotone
+from specav.verification.cost_model import CostCurve, CostModel, CostProfile, _pooled, isotonic, monotone
 
 
 @given(st.lists(st.floats(0, 10, allow_nan=False), min_size=1, max_size=30))
@@ -40,10 +40,13 @@ def test_monotone_fit_has_the_least_squares_runs_and_no_flat_steps_noise_made(va
     assert all(b >= a for a, b in zip(fitted, fitted[1:])) and min(fitted) >= 0
     if values == sorted(values):
         assert fitted == pytest.approx(values)  # nothing to pool: the measurements themselves
-    runs = isotonic(values)
-    for i in range(1, len(values) - 1):  # inside a pooled run between two higher and lower runs, it rises
-        if runs[i - 1] == runs[i] == runs[i + 1] and runs[0] < runs[i] < runs[-1]:
-            assert fitted[i - 1] < fitted[i] < fitted[i + 1]
+    runs = _pooled(sizes, values)  # (mean size, mean value, points): the least-squares fit's runs
+    start = 0
+    for j, (_, mean, count) in enumerate(runs):  # a pooled run between a lower and a higher one rises
+        if count > 1 and 0 < j < len(runs) - 1 and runs[j - 1][1] < mean < runs[j + 1][1]:
+            inside = fitted[start:start + count]
+            assert all(a < b for a, b in zip(inside, inside[1:]))
+        start += count
 
 
 def test_curve_interpolates_and_extends_with_the_last_slope():
