@@ -426,8 +426,8 @@ class AdaptivePlanner:
         draft_row = self._draft_row(len(candidates) + len(forced))  # deeper slots' rows, if all of them draft
         slot_attended = [shapes[i].slot_attended for i in candidates]
         samples, weights = self._history_samples([requests[i] for i in candidates])
-        gains = self.block_gains(samples, torch.ones(len(candidates), dtype=torch.float64), 0, price,
-                                 verify_tokens, draft_row, slot_attended, weights)
+        expected = self._predicted_blocks(samples, weights, torch.ones(len(candidates), dtype=torch.float64))
+        gains = self.best_blocks(expected.tolist(), price, verify_tokens, draft_row, slot_attended)
         # nothing forced: the first candidate makes this a drafting step, whose verify costs more; the
         # premium is measured on decoding steps (a prefill teaches neither kind of verify), so it is
         # priced on their tokens, one per request, not on a prompt being prefilled in this step
@@ -435,23 +435,13 @@ class AdaptivePlanner:
         chosen = self.choose(gains, [1] * len(candidates), len(forced), price, verify_tokens, slot_attended, premium)
         return {candidates[j] for j in chosen}
 
-    def block_gains(self, features: torch.Tensor, prefix: torch.Tensor, start: int, price: float,
-                    verify_tokens: int, draft_row: float, slot_attended: Sequence[int],
-                    weights: torch.Tensor | None = None) -> list[float]:
-        """Per request, the value of its best block from 0-based slot `start` on, less what its slots
-        beyond the first cost (the first slot's cost is the draft rule's to price, jointly with the
-        other requests'): the first verified slot costs the most (measured costs are not convex), so
-        a rule that valued the next slot alone would stop requests whose blocks pay. features # [A]:
-        each request's latest feature, standing in for its deeper slots', or # [A, M] samples of it
-        with weights # [A, M] (see _predicted_blocks); prefix # [A]: its survival up to slot `start`
-        (exclusive)."""
-        expected = self._predicted_blocks(features, weights, prefix, start).tolist()  # [A][K - start]
-        return self.best_blocks(expected, price, verify_tokens, draft_row, slot_attended)
-
     def best_blocks(self, expected: list[list[float]], price: float, verify_tokens: int, draft_row: float,
                     slot_attended: Sequence[int]) -> list[float]:
         """Per request, the value of its best block, from expected # [A][n] accepted tokens of blocks
-        of 1..n slots, less what its slots beyond the first cost (see block_gains)."""
+        of 1..n slots, less what its slots beyond the first cost (the first slot's cost is the draft
+        rule's to price, jointly with the other requests'): the first verified slot costs the most
+        (measured costs are not convex), so a rule that valued the next slot alone would stop
+        requests whose blocks pay."""
         seconds = self._block_seconds(verify_tokens, draft_row, slot_attended)  # [A][K]
         return [max(e - price * (s - row[0]) for e, s in zip(tokens, row)) for tokens, row in zip(expected, seconds)]
 
@@ -468,20 +458,16 @@ class AdaptivePlanner:
             weights[a, :len(w)] = torch.tensor(w, dtype=torch.float64)
         return features, weights
 
-    def _predicted_blocks(self, features: torch.Tensor, weights: torch.Tensor | None, prefix: torch.Tensor,
-                          start: int = 0) -> torch.Tensor:
-        """Expected accepted tokens of drafting slots start..start+n-1, n = 1..K-start, per request
-        # [A, K - start], after a prefix of survival # [A]. Every deeper slot is predicted from the
-        request's feature (nothing of this step's drafts past it): features # [A], or samples of it
-        # [A, M] with weights # [A, M], whose survivals are averaged (a confidence is not linear in
-        the feature: the mean feature's would overstate it)."""
-        expanded = features.reshape(-1, 1).expand(-1, self.num_slots)  # [A * M, K] (M = 1 for features # [A])
-        confidences = torch.nan_to_num(self.scorer.score(expanded), nan=0.0)[:, start:]
-        survivals = survival(confidences)  # [A * M, K - start]
-        if features.ndim == 2:  # the mean over each request's samples
-            a, m = features.shape
-            w = weights / weights.sum(1, keepdim=True).clamp(min=1e-300)  # [A, M]
-            survivals = (w[:, :, None] * survivals.reshape(a, m, -1)).sum(1)  # [A, K - start]
+    def _predicted_blocks(self, samples: torch.Tensor, weights: torch.Tensor, prefix: torch.Tensor) -> torch.Tensor:
+        """Expected accepted tokens of drafting slots 1..n, n = 1..K, per request # [A, K], after a
+        prefix of survival # [A], from samples # [A, M] of its next slot's feature with weights
+        # [A, M] (_history_samples), each standing in for every slot: their survivals are averaged
+        (a confidence is not linear in the feature: the mean feature's would overstate it). The
+        stop rule does the same for one feature per request on plain numbers (_SurvivalStop)."""
+        a, m = samples.shape
+        confidences = torch.nan_to_num(self.scorer.score(samples.reshape(-1, 1).expand(-1, self.num_slots)), nan=0.0)
+        w = weights / weights.sum(1, keepdim=True).clamp(min=1e-300)  # [A, M]
+        survivals = (w[:, :, None] * survival(confidences).reshape(a, m, -1)).sum(1)  # [A, K]
         return torch.cumsum(prefix[:, None] * survivals, dim=1)
 
     def _block_seconds(self, verify_tokens: int, draft_row: float, slot_attended: Sequence[int]) -> list[list[float]]:
@@ -530,7 +516,8 @@ class AdaptivePlanner:
             verify_tokens += 1
 
     @staticmethod
-    def _ranked_slots(survival: torch.Tensor, counts: torch.Tensor, explore: torch.Tensor) -> list[tuple[int, int, float]]:
+    def _ranked_slots(survival: torch.Tensor, counts: torch.Tensor,
+                      explore: torch.Tensor) -> list[tuple[int, int, float]]:
         """Drafted slots of non-exploring requests as (request, 0-based position, survival), in
         descending survival; ties by position, then by request."""
         s, exploring = survival.tolist(), explore.tolist()

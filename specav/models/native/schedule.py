@@ -2,21 +2,21 @@
 
 Owns: the schedule a loaded variant runs (kquant.cpp `set_schedule`, three bits: TILES_OUTER, each
 tile of activation rows passes over every weight row of a chunk, else each weight row over every
-tile; SEGMENTS, long rows of K in segments so a tile's activations stay in the L1 cache;
-PREFETCH, calls of several rows prefetch their weights 2 KiB ahead in software). Every
-schedule computes the same results bit for bit (tests/test_quant.py), so the choice changes speed
-alone, and which is fastest depends on the CPU's caches, not on its instruction set: segments
-were written for a Zen 5 EPYC, where they made 5 and 16 rows 10-25% faster, and on a Zen 4 EPYC
-the same AVX-512 variant ran the target's K = 8960 weights 7-41% slower with them at 3 to 16
-rows, and took 14-40% less time at 2 to 16 rows with the prefetch, which the hardware's prefetchers made
-useless at one row (docs/quantized.md). So each schedule is timed here on synthetic weights of a long-K shape
+tile; SEGMENTS, long rows of K in segments so a tile's activations stay in the L1 cache; PREFETCH,
+calls of several rows prefetch their weights 2 KiB ahead in software). Every schedule computes the
+same results bit for bit (tests/test_quant.py), so the choice changes speed alone, and which is
+fastest depends on the CPU's caches, not on its instruction set: segments were written for a Zen 5
+EPYC, where they made 5 and 16 rows 10-25% faster, and on a Zen 4 EPYC the same AVX-512 variant ran
+the target's K = 8960 weights 7-41% slower with them at 3 to 16 rows, and took 14-40% less time at 2
+to 16 rows with the prefetch, which the hardware's prefetchers made useless at one row
+(docs/quantized.md). So each schedule is timed here on synthetic weights of a long-K shape
 (N = 1536, K = 8960, Q4_K and Q6_K: the packaged target's down projections) and a short one
-(N = 8960, K = 1536, Q4_K) at the row counts of verification (`ROWS`), one thread, cache-cold,
-the schedules in turns (median of `REPEATS`); the variant's own default stays unless another is
-faster by more than `MARGIN` in total. One thread, as the kernel profile (quant_choice.py):
-the cache effects are per core, and two-thread timings of millisecond calls on a shared machine
-measure the scheduler. The outcome is kept in `schedule.json` in the variant's build directory
-under the machine's fingerprint (probe.py), so a machine measures once per build (about 8 s).
+(N = 8960, K = 1536, Q4_K) at the row counts of verification (`ROWS`), one thread, cache-cold, the schedules in
+turns (median of `REPEATS`); the variant's own default stays unless another is faster by more than
+`MARGIN` in total. One thread, as the kernel profile (quant_choice.py): the cache effects are per
+core, and two-thread timings of millisecond calls on a shared machine measure the scheduler. The
+outcome is kept in `schedule.json` in the variant's build directory under the machine's fingerprint
+(probe.py), so a machine measures once per build (about 8 s).
 
 Environment: SPECAV_NATIVE_SCHEDULE=<0..7> runs that schedule and measures nothing (to compare).
 

@@ -8,9 +8,10 @@ and {"ok": true} when every op agrees with its reference; {"ok": false, "stage":
 "selftest", "reason": ...} otherwise.
 
 The checks are the tests' in miniature (tests/test_quant.py, tests/test_native_layers.py):
-the k-quant matmul, under every schedule, against a float64 product of gguf's dequantised weights
-with the kernel's own int8 activations, multi-row outputs equal to one-row outputs bit for bit, the Q4_K quantiser
-through gguf's dequantiser, and the layer ops and vocabulary passes against torch.
+the k-quant matmul, under every schedule, against a float64 product of gguf's dequantised
+weights with the kernel's own int8 activations, multi-row outputs equal to one-row outputs bit for
+bit, the Q4_K quantiser through gguf's dequantiser, and the layer ops and vocabulary passes
+against torch.
 
 Must not know: which variant is chosen, or where its result is kept (probe.py).
 """
@@ -51,8 +52,9 @@ def check_matmul(ops, gen: np.random.Generator) -> None:
     xq, dx = ops.quantize_activations(x)
     x_used = (xq.double().view(9, k // 256, 256) * dx.double()[..., None]).view(9, k)
     weights = [random_blocks(q, 24, k, gen) for q in (Q4_K, Q6_K)]
-    expected = [x_used @ torch.from_numpy(gguf.quants.dequantize(w, gguf.GGMLQuantizationType(q)).astype(np.float64)).t()
-                for q, w in zip((Q4_K, Q6_K), weights)]
+    dense = [torch.from_numpy(gguf.quants.dequantize(w, gguf.GGMLQuantizationType(q)).astype(np.float64))
+             for q, w in zip((Q4_K, Q6_K), weights)]
+    expected = [x_used @ d.t() for d in dense]
     saved = ops.set_schedule(-1)
     try:
         for schedule in SCHEDULES:
