@@ -31,7 +31,7 @@ from specav.config import AdaptiveConfig, EstimatorConfig, SamplingParams
 from specav.request import Request
 from specav.types import DraftBatch, Plan, Ragged
 from specav.verification import adaptive
-from specav.verification.adaptive import AdaptivePlanner, FeatureSamples
+from specav.verification.adaptive import AdaptivePlanner, BlockSamples
 from specav.verification.planner import DraftPlan, RequestShape
 from tests.test_lossless import V as ENGINE_V, empirical_joint, exact_joint, p_value
 from specav.verification.cost_model import CostCurve, CostModel, CostProfile
@@ -124,7 +124,7 @@ def planner_policy(planner: AdaptivePlanner, early_stop: bool = True):
     def policy(q_rows, drafts) -> int:
         request = Request([0], SamplingParams(), request_id=f"enum-{next(counter)}")
         planner._history(request).probing = True  # a due probe: it drafts slot 1, the rules decide the rest
-        planner.probe_budget, planner.population = math.inf, FeatureSamples.of([0.0])
+        planner.probe_budget, planner.population = math.inf, BlockSamples.of([[0.0]])
         plan = planner.draft_plan([request], [K], [RequestShape(1, 0)])
         feats = [slot_features(q_rows[i], drafts[i]) for i in range(K)]
         depth = 1

@@ -18,7 +18,7 @@ from specav.acceptance.features import LossyFeatureError
 from specav.config import AdaptiveConfig, SamplingParams
 from specav.request import Request
 from specav.types import DraftBatch, Ragged, Scores
-from specav.verification.adaptive import AdaptivePlanner, FeatureSamples, select_prefix
+from specav.verification.adaptive import _PRIOR_BLOCKS, AdaptivePlanner, BlockSamples, select_prefix
 from specav.verification.cost_model import CostCurve, CostModel, CostProfile
 from specav.verification.planner import PLANNERS, DraftPlan, StaticPlanner, RequestShape, make_planner
 
@@ -188,7 +188,7 @@ def requests(n: int) -> list[Request]:
 
 def test_stop_rule_continues_confident_requests_and_stops_doubtful_ones():
     p = planner(4)
-    p.population = FeatureSamples.of([6.0])  # the traffic drafts confidently: both new requests draft slot 1
+    p.population = BlockSamples.of([[6.0]])  # the traffic drafts confidently: both new requests draft slot 1
     batch = requests(2)
     plan = p.draft_plan(batch, [4, 4], [RequestShape(1, 10)] * 2)
     assert plan.num_slots == [4, 4]
@@ -205,7 +205,7 @@ def test_stop_rule_values_the_block_ahead_not_the_next_slot_alone():
         draft = CostCurve.fit({1: 0.01, 64: 0.64})
         p = AdaptivePlanner(4, OnlineAcceptanceEstimator(4), CostModel(CostProfile(verify, draft), halflife=FROZEN),
                             AdaptiveConfig(exploration=0.0, control_share=0.0))
-        p.population = FeatureSamples.of([6.0])
+        p.population = BlockSamples.of([[6.0]])
         p.target_only_rate = lambda shapes: 1.0  # price 1 token per second
         plan = p.draft_plan(requests(1), [4], [RequestShape(1, 0)])
         assert plan.num_slots == [4]
@@ -222,7 +222,7 @@ def test_stop_rule_values_the_block_ahead_not_the_next_slot_alone():
 
 def test_stop_rule_keeps_exploring_requests_whatever_their_features():
     p = planner(4, exploration=1e9)  # a budget so large that every request explores
-    p.population = FeatureSamples.of([0.0])
+    p.population = BlockSamples.of([[0.0]])
     plan = p.draft_plan(requests(2), [4, 4], [RequestShape(1, 10)] * 2)
     assert plan.explore.tolist() == [True, True]
     keep = plan.stop_rule.keep_drafting(0, [0, 1], {"logit_q_max": torch.tensor([-9.0, -9.0])})
@@ -240,7 +240,7 @@ def test_cold_start_drafts_one_whole_block_the_cheapest_catch_up():
     assert plan.reasons == ("", "cold start", "")  # what the stats count its slots under
     assert plan.stop_rule.keep_drafting(0, [1], {"logit_q_max": torch.tensor([-9.0])}).tolist() == [True]
     assert p.draft_plan(requests(3), [4, 0, 4], shapes).num_slots == [0, 0, 4]  # one at max_tokens
-    p.population = FeatureSamples.of([6.0])  # once one has drafted, the population's features stand in for the rest
+    p.population = BlockSamples.of([[6.0]])  # once one has drafted, the population's features stand in for the rest
     assert p.draft_plan(requests(3), [4, 4, 4], shapes).num_slots == [4, 4, 4]
 
 
@@ -283,7 +283,7 @@ def test_the_cold_start_waits_until_a_perfect_drafter_could_repay_it():
     dear = AdaptivePlanner(4, OnlineAcceptanceEstimator(4), cost_model(verify_per_token=1.0),
                            AdaptiveConfig(exploration=0.0, control_share=0.0, cold_start_after=0))
     assert drafted(dear, 100_000) == [0]  # a verified slot costs a whole step: even a perfect drafter loses
-    assert not dear.population.features and dear.cost.plain_observations == 0  # nothing learnt, nothing drafted
+    assert not dear.population.blocks and dear.cost.plain_observations == 0  # nothing learnt, nothing drafted
 
 
 def test_the_cold_start_prices_a_deferred_drafters_load():
@@ -305,7 +305,7 @@ def test_the_cold_start_prices_a_deferred_drafters_load():
 def test_a_due_probe_waits_for_its_budget_and_pays_its_catch_up():
     p = planner(4, probe_interval=1)
     request = requests(1)[0]
-    p.history[request.request_id] = type(p._history(request))(samples=FeatureSamples.of([-6.0], 100.0),
+    p.history[request.request_id] = type(p._history(request))(samples=BlockSamples.of([[-6.0]], 100.0),
                                                                probing=True)
     shape = RequestShape(1, 10, draft_pending=40)
     price = p.cost.draft_seconds(40, 10) + p.cost.verify_seconds(2, 10) - p.cost.verify_seconds(1, 10)
@@ -331,7 +331,7 @@ def test_no_draft_then_probe_with_a_doubling_wait():
     p = planner(4, probe_interval=2, max_probe_interval=8)
     p.probe_budget = math.inf  # the budget is tested on its own above
     request = requests(1)[0]
-    p.history[request.request_id] = h = type(p._history(request))(samples=FeatureSamples.of([-6.0], 100.0), interval=2, probing=False)
+    p.history[request.request_id] = h = type(p._history(request))(samples=BlockSamples.of([[-6.0]], 100.0), interval=2, probing=False)
     decided = []
     for step in range(30):
         plan = p.draft_plan([request], [4], [RequestShape(1, 10)])
@@ -347,15 +347,15 @@ def test_no_draft_then_probe_with_a_doubling_wait():
 def test_a_request_with_confident_history_drafts_and_one_without_does_not():
     p = planner(4)
     good, bad = requests(2)
-    p.history[good.request_id] = type(p._history(good))(samples=FeatureSamples.of([6.0], 100.0), probing=False)
-    p.history[bad.request_id] = type(p._history(bad))(samples=FeatureSamples.of([-6.0], 100.0), probing=False)
+    p.history[good.request_id] = type(p._history(good))(samples=BlockSamples.of([[6.0]], 100.0), probing=False)
+    p.history[bad.request_id] = type(p._history(bad))(samples=BlockSamples.of([[-6.0]], 100.0), probing=False)
     plan = p.draft_plan([good, bad], [4, 4], [RequestShape(1, 10)] * 2)
     assert plan.num_slots == [4, 0]
 
 
 def test_exploration_draws_come_from_the_planners_own_generator():
     p = planner(4, exploration=2.0, seed=7)
-    p.population = FeatureSamples.of([0.0])  # past the cold start (whose request's block is verified whatever the draw)
+    p.population = BlockSamples.of([[0.0]])  # past the cold start (whose request's block is verified whatever the draw)
     shapes = [RequestShape(1, 0)] * 3
     chance = p.exploration_probability(shapes)
     assert 0.1 < chance < 0.9
@@ -408,26 +408,26 @@ def test_price_is_never_below_min_speedup_times_the_target_only_rate():
     assert p.price(batch, shapes) == pytest.approx(1.5 * p.target_only_rate(shapes))  # the batch's mean
 
 
-def test_one_odd_slot_is_shrunk_toward_the_population_and_many_are_not():
+def test_one_odd_block_is_shrunk_toward_the_population_and_many_are_not():
     p = planner(4)
-    p.population = FeatureSamples.of([6.0])  # the traffic drafts confidently
+    p.population = BlockSamples.of([[6.0]])  # the traffic drafts confidently
     odd, doubtful = requests(2)
-    p.history[odd.request_id] = type(p._history(odd))(samples=FeatureSamples.of([-6.0], 1.0))
-    p.history[doubtful.request_id] = type(p._history(doubtful))(samples=FeatureSamples.of([-6.0], 10.0))
+    p.history[odd.request_id] = type(p._history(odd))(samples=BlockSamples.of([[-6.0]], 1.0))
+    p.history[doubtful.request_id] = type(p._history(doubtful))(samples=BlockSamples.of([[-6.0]], 10.0))
     first = p._predicted_blocks(*p._history_samples([odd]), torch.ones(1, dtype=torch.float64))[0, 0]
     c = torch.sigmoid(torch.tensor([-6.0, 6.0], dtype=torch.float64))  # the unfitted estimator: raw q_max
-    assert float(first) == pytest.approx(float((c[0] + 2 * c[1]) / 3))  # the population weighs 2 slots
+    assert float(first) == pytest.approx(float((c[0] + _PRIOR_BLOCKS * c[1]) / (1 + _PRIOR_BLOCKS)))
     plan = p.draft_plan([odd, doubtful], [4, 4], [RequestShape(1, 10)] * 2)
     assert plan.num_slots == [4, 0]
 
 
-def test_a_request_is_predicted_by_the_mean_confidence_of_its_features_not_of_their_mean():
-    """Half its slots sure (+8), half doubtful (-4): slot 1 is accepted about half the time, while
+def test_a_request_is_predicted_by_the_mean_confidence_of_its_blocks_not_of_their_mean():
+    """Half its blocks sure (+8), half doubtful (-4): slot 1 is accepted about half the time, while
     the mean feature (+2) would say 0.88 (confidence is not linear in the feature), and its deeper
-    slots survive as its sure steps do, not as a chain of coin flips."""
+    slots survive as its sure blocks do, not as a chain of coin flips."""
     p = planner(4)
     request = requests(1)[0]
-    p.history[request.request_id] = type(p._history(request))(samples=FeatureSamples.of([8.0, -4.0] * 8))
+    p.history[request.request_id] = type(p._history(request))(samples=BlockSamples.of([[8.0], [-4.0]] * 8))
     expected = p._predicted_blocks(*p._history_samples([request]), torch.ones(1, dtype=torch.float64))[0]
     sure, doubtful = torch.sigmoid(torch.tensor(8.0, dtype=torch.float64)), torch.sigmoid(torch.tensor(-4.0, dtype=torch.float64))
     survival = [(sure ** n + doubtful ** n) / 2 for n in range(1, 5)]
@@ -435,31 +435,51 @@ def test_a_request_is_predicted_by_the_mean_confidence_of_its_features_not_of_th
     assert float(expected[0]) < 0.51 < float(torch.sigmoid(torch.tensor(2.0)))
 
 
-def test_feature_samples_decay_per_step_and_keep_the_latest():
-    s = FeatureSamples()
-    s.add([1.0, 2.0], decay=0.5, keep=3)
-    s.add([3.0, 4.0], decay=0.5, keep=3)
-    assert s.features == [2.0, 3.0, 4.0] and s.weights == [0.5, 1.0, 1.0]
+def test_a_blocks_deep_slots_do_not_stand_for_a_slot_1():
+    """The population's one block: slot 1 doubtful (-4), slots 2-4 the drafter's sure continuations
+    of its own guess (+8). A new request's slot 1 is predicted from the block's slot 1 (about 0.02
+    tokens), not from its features pooled (three of four sure: 0.75 tokens, and 2.2 from a block of
+    4), which made every new request enter at once on prose and lose."""
+    p = planner(4)
+    p.population = BlockSamples.of([[-4.0, 8.0, 8.0, 8.0]])
+    request = requests(1)[0]
+    expected = p._predicted_blocks(*p._history_samples([request]), torch.ones(1, dtype=torch.float64))[0]
+    doubtful, sure = (torch.sigmoid(torch.tensor(x, dtype=torch.float64)) for x in (-4.0, 8.0))
+    survival = torch.stack([doubtful * sure ** n for n in range(4)])  # the block's own slots, each at its position
+    assert expected.tolist() == pytest.approx(survival.cumsum(0).tolist())
+    assert float(expected[-1]) < 0.08
+
+
+def test_block_samples_decay_per_step_keep_the_latest_and_extend_by_their_last_slot():
+    s = BlockSamples()
+    s.add([[1.0], [2.0, 5.0]], decay=0.5, keep=3)
+    s.add([[3.0], []], decay=0.5, keep=3)  # a request that drafted nothing adds no block
+    s.add([[4.0]], decay=0.5, keep=3)
+    assert s.blocks == [[2.0, 5.0], [3.0], [4.0]] and s.weights == [0.25, 0.5, 1.0]
     s.add([], decay=1e-200, keep=3)  # a long time without a draft: the ratios stay, the weights do not underflow
-    assert s.weights == pytest.approx([0.5, 1.0, 1.0])
+    assert s.weights == pytest.approx([0.25, 0.5, 1.0])
+    prior = BlockSamples.of([[7.0, 8.0, 9.0, 9.5, 9.9]], weight=3.0)
+    blocks, weights = s.with_prior(prior, worth=2.0, num_slots=4)
+    assert blocks == [[2.0, 5.0, 5.0, 5.0], [3.0] * 4, [4.0] * 4, [7.0, 8.0, 9.0, 9.5]]
+    assert weights == pytest.approx([0.25, 0.5, 1.0, 2.0])  # the prior weighs `worth` blocks in all
 
 
 def test_only_caught_up_requests_explore():
     p = planner(4, exploration=1e9)
-    p.population = FeatureSamples.of([0.0])
+    p.population = BlockSamples.of([[0.0]])
     shapes = [RequestShape(1, 10, draft_pending=2), RequestShape(1, 10, draft_pending=7)]
     assert p.draft_plan(requests(2), [4, 4], shapes).explore.tolist() == [True, False]
 
 
 def test_a_catch_up_is_made_only_when_drafting_is_predicted_to_repay_it():
     p = planner(4)
-    p.population = FeatureSamples.of([6.0])  # confident traffic
+    p.population = BlockSamples.of([[6.0]])  # confident traffic
     long, short = (Request([1] * 40, SamplingParams(max_tokens=n), request_id=f"n{n}") for n in (400, 4))
     shape = RequestShape(1, 10, draft_pending=400)
     assert p.draft_plan([long], [4], [shape]).num_slots == [4]  # 400 tokens to go repay a 400-token catch-up
     assert p.draft_plan([short], [4], [shape]).num_slots == [0]  # 4 tokens to go do not
     assert p.history[short.request_id].wait == p.config.probe_interval  # it is probed later
-    p.population = FeatureSamples.of([-6.0])  # doubtful traffic: no remaining length repays it
+    p.population = BlockSamples.of([[-6.0]])  # doubtful traffic: no remaining length repays it
     doubtful = Request([1] * 40, SamplingParams(max_tokens=400), request_id="d")
     assert p.draft_plan([doubtful], [4], [shape]).num_slots == [0]
 
@@ -471,7 +491,7 @@ def test_an_entry_is_judged_on_the_decoding_steps_it_pays_off_in_not_on_its_pref
     verify here) refused every entry (code at concurrency 1 on the AVX2 machine decoded target-only)."""
     def enters(shape: RequestShape) -> int:
         p = planner(4)
-        p.population = FeatureSamples.of([6.0])  # confident traffic
+        p.population = BlockSamples.of([[6.0]])  # confident traffic
         p.cost.target.observations["plain"] = 1
         slower_drafting_verify(p.cost, 1.3)  # drafting steps verify 1.3x slower than plain ones
         r = Request([1] * 150, SamplingParams(max_tokens=400), request_id="r")
@@ -512,7 +532,7 @@ def test_control_steps_decode_the_whole_batch_target_only_at_their_share():
     from specav.types import StageTimes
 
     p = planner(4, control_share=0.25, seed=3)
-    p.population = FeatureSamples.of([6.0])  # the traffic drafts confidently: outside control steps everyone drafts
+    p.population = BlockSamples.of([[6.0]])  # the traffic drafts confidently: outside control steps everyone drafts
     shapes = [RequestShape(1, 0)] * 3
     assert p.draft_plan(requests(3), [4, 4, 4], shapes).num_slots == [0, 0, 0]  # no target-only step measured yet
     p.cost.observe([], 3, 0, StageTimes(0.0, 1.0, 1.0))
@@ -573,7 +593,7 @@ def test_drafting_at_all_pays_the_premium_of_a_drafting_step():
     drafts without it and decodes target-only when the premium exceeds its block's value."""
     def drafts(premium_scale: float, priced: bool = True) -> int:
         p = planner(4)
-        p.population = FeatureSamples.of([3.0])
+        p.population = BlockSamples.of([[3.0]])
         p.target_only_rate = lambda shapes: 1.0  # the price held at 1 token per second
         p.cost.target.observations["plain"] = 1
         slower_drafting_verify(p.cost, premium_scale)  # plain steps at the profile

@@ -1,22 +1,31 @@
-"""How well a request's recent slots predict its next slot 1, on a real labelled-draft log.
+"""How well what the planner remembers predicts a request's next block, on a real labelled-draft log.
 
     python -m specav.bench.predictor LOG [LOG ...]
 
-The adaptive planner decides before a request's first slot whether it drafts at all, from the
-features of the request's recent drafted slots (verification/adaptive.py, `FeatureSamples`:
-weights decayed by HISTORY_DECAY per step). This replays every request of the logs (written by
-`specav eval collect`, e.g. `specav eval collect --out runs/pc --workloads prose,chat --prompts 6
---max-tokens 128 --speculative-config '{"model": "default", "num_speculative_tokens": 4}'`) step
-by step and, before each step whose slot 1 is labelled and after at least one step drafted,
-predicts that slot's acceptance from the request's recent features in two ways, under the
-offline shared-slope fit of all the logs (so that only the predictor differs, not the
-calibration):
+Before a request's first slot of a step nothing of the step is drafted, so the adaptive planner
+predicts the block it would draft (the survival s_n of its slots n = 1..K, whose sum is the
+expected accepted tokens) from what earlier steps drafted: the request's own recent slots, with
+the traffic's (the population's) as a prior; for a new request, the population's alone
+(verification/adaptive.py). This replays the logs (written by `specav eval collect` with a static
+K, so that every step's block is verified from slot 1: e.g. `specav eval collect --out runs/k8
+--workloads code,chat,prose --prompts 8 --max-tokens 128 --max-batch-size 8 --seed 1
+--speculative-config '{"model": "default", "num_speculative_tokens": 8}'`) step by step in
+engine order and, before each request's step, predicts its block in two ways, under the offline
+shared-slope fit of all the logs (so that only the predictor differs, not the calibration):
 
-    mean feature      sigmoid(omega * weighted mean feature + beta_1)  (the planner before)
-    mean confidence   weighted mean of sigmoid(omega * f + beta_1)      (the planner now)
+    slot samples    every drafted slot's feature, at whatever position it was drafted, is a
+                    sample of the next slot's feature, standing for every slot of the block
+                    (the planner before)
+    block samples   every drafted block (its slots' features, each scored at its own position,
+                    the last standing for the slots past the block's end) is a sample of the
+                    next block (the planner now: `BlockSamples`)
 
-Printed per workload: slots predicted, mean prediction against the observed acceptance, and
-log-loss. Reads logs only; loads no model.
+The truth is the step's accepted prefix a (the log labels slots up to the first rejection):
+the block's slot n survives if a >= n. Printed per workload, for new requests (population only)
+and for requests with their own history: blocks predicted, the observed mean of a, the mean
+predicted sum of s_n, and the log-loss of s_n against [a >= n], averaged over n = 1..K. The log
+has each block's features up to its first rejection, where the planner has every drafted slot's,
+so both predictors see the shorter blocks here. Reads logs only; loads no model.
 """
 
 from __future__ import annotations
@@ -25,33 +34,72 @@ import argparse
 
 import numpy as np
 
+from specav.config import AdaptiveConfig
 from specav.evaluation.report import fit_position_logistic, load_slots
-from specav.verification.adaptive import HISTORY_DECAY, HISTORY_SLOTS, FeatureSamples
+from specav.verification.adaptive import (_POPULATION_BLOCKS, _PRIOR_BLOCKS, HISTORY_BLOCKS, HISTORY_DECAY,
+                                          BlockSamples)
+from specav.verification.cost_model import _decay
 
-
-def predictions(data, slope: float, intercept: float) -> dict[str, list[float]]:
-    """Per labelled slot 1 with history: the two predictions and the label (see the module docstring)."""
-    out: dict[str, list[float]] = {"workload": [], "mean feature": [], "mean confidence": [], "label": []}
-    for r in range(data.request_names.size):
-        mine = data.request == r
-        steps, positions, features, labels = (data.step[mine], data.position[mine], data.logit_q_max[mine],
-                                              data.label[mine])
-        history = FeatureSamples()
-        for step in np.unique(steps):
-            now = steps == step
-            first = now & (positions == 1)
-            if history.features and first.any():
-                f, w = np.array(history.features), np.array(history.weights)
-                out["mean feature"].append(_sigmoid(slope * (w @ f) / w.sum() + intercept))
-                out["mean confidence"].append(float(w @ _sigmoid(slope * f + intercept)) / w.sum())
-                out["label"].append(float(labels[first][0]))
-                out["workload"].append(data.workload_names[data.workload[mine][0]])
-            history.add(features[now].tolist(), HISTORY_DECAY, HISTORY_SLOTS)
-    return out
+_SLOT_PRIOR = 2.0  # the planner before: the population's features counted as two of the request's slots
+_SLOT_HISTORY, _SLOT_POPULATION = 32, 256  # ... and it kept this many slot features
 
 
 def _sigmoid(x):
-    return 1.0 / (1.0 + np.exp(-x))
+    return 0.5 * (1.0 + np.tanh(0.5 * x))
+
+
+def _survivals(features: np.ndarray, weights: np.ndarray, slope: np.ndarray, intercept: np.ndarray) -> np.ndarray:
+    """Weighted mean survival curve # [K] of samples # [M, K] (features at each position)."""
+    curves = np.cumprod(_sigmoid(slope * features + intercept), axis=1)
+    return weights @ curves / weights.sum()
+
+
+def _slot_prediction(own: BlockSamples, population: BlockSamples, k: int, slope, intercept) -> np.ndarray:
+    def flat(samples: BlockSamples, keep: int) -> tuple[list[float], list[float]]:
+        pairs = [(f, w) for block, w in zip(samples.blocks, samples.weights) for f in block][-keep:]
+        return [f for f, _ in pairs], [w for _, w in pairs]
+    f, w = flat(own, _SLOT_HISTORY)
+    pf, pw = flat(population, _SLOT_POPULATION)
+    if pw:
+        f, w = f + pf, w + [x * _SLOT_PRIOR / sum(pw) for x in pw]
+    return _survivals(np.repeat(np.array(f)[:, None], k, axis=1), np.array(w), slope, intercept)
+
+
+def _block_prediction(own: BlockSamples, population: BlockSamples, k: int, slope, intercept) -> np.ndarray:
+    rows, weights = own.with_prior(population, _PRIOR_BLOCKS, k)
+    return _survivals(np.array(rows), np.array(weights), slope, intercept)
+
+
+PREDICTORS = {"slot samples": _slot_prediction, "block samples": _block_prediction}
+
+
+def predictions(data, slope: np.ndarray, intercept: np.ndarray) -> list[dict]:
+    """One row per (request, step) after the population has a block: each predictor's survival
+    curve # [K], the accepted prefix, the workload, and whether the request had its own history."""
+    k = slope.size
+    population_decay = 1.0 - _decay(AdaptiveConfig().rate_halflife)
+    order = np.lexsort((data.position, data.request, data.step))
+    step, request, position = data.step[order], data.request[order], data.position[order]
+    feature, label = data.logit_q_max[order], data.label[order]
+    own: dict[int, BlockSamples] = {}
+    population = BlockSamples()
+    rows = []
+    for s in np.unique(step):
+        now = step == s
+        blocks = {}
+        for r in np.unique(request[now]):
+            mine = now & (request == r)
+            history = own.setdefault(int(r), BlockSamples())
+            if population.blocks:
+                rows.append({"workload": data.workload_names[data.workload[order][mine][0]],
+                             "new": not history.blocks, "accepted": int(label[mine].sum()),
+                             **{name: predict(history, population, k, slope, intercept)
+                                for name, predict in PREDICTORS.items()}})
+            blocks[int(r)] = feature[mine][np.argsort(position[mine])].tolist()
+        for r, block in blocks.items():
+            own[r].add([block], HISTORY_DECAY, HISTORY_BLOCKS)  # (the planner's own weights decay per step drafted)
+        population.add(list(blocks.values()), population_decay, _POPULATION_BLOCKS)
+    return rows
 
 
 def main() -> None:
@@ -60,18 +108,25 @@ def main() -> None:
     args = parser.parse_args()
     data = load_slots(args.logs)
     fit = fit_position_logistic(data.logit_q_max, data.position, data.label)
-    slope, intercept = float(fit.slope[0]), float(fit.intercept[0])
+    slope, intercept = np.asarray(fit.slope, np.float64), np.asarray(fit.intercept, np.float64)
+    k = slope.size
     rows = predictions(data, slope, intercept)
-    print(f"{data.size} labelled slots; offline fit: slope {slope:.3f}, slot-1 intercept {intercept:.3f}")
-    print(f"{'workload':<10} {'slots':>6} {'observed':>9} {'predictor':<16} {'mean pred':>9} {'log-loss':>9}")
-    label, workloads = np.array(rows["label"]), np.array(rows["workload"])
-    for workload in sorted(set(rows["workload"])):
-        mine = workloads == workload
-        for name in ("mean feature", "mean confidence"):
-            p = np.clip(np.array(rows[name])[mine], 1e-12, 1 - 1e-12)
-            y = label[mine]
-            loss = -np.mean(y * np.log(p) + (1 - y) * np.log(1 - p))
-            print(f"{workload:<10} {int(mine.sum()):>6} {y.mean():>9.3f} {name:<16} {p.mean():>9.3f} {loss:>9.4f}")
+    print(f"{data.size} labelled slots, K = {k}; offline fit: slope {slope[0]:.3f}, "
+          f"intercepts {' '.join(f'{b:.2f}' for b in intercept)}")
+    print(f"{'workload':<8} {'requests':<9} {'blocks':>6} {'accepted':>9} {'predictor':<14} {'predicted':>9} "
+          f"{'log-loss':>9}")
+    for workload in sorted({row["workload"] for row in rows}):
+        for new in (True, False):
+            mine = [row for row in rows if row["workload"] == workload and row["new"] == new]
+            if not mine:
+                continue
+            accepted = np.array([row["accepted"] for row in mine])
+            truth = accepted[:, None] >= np.arange(1, k + 1)  # [N, K]: slot n survives
+            for name in PREDICTORS:
+                p = np.clip(np.array([row[name] for row in mine]), 1e-12, 1 - 1e-12)  # [N, K]
+                loss = -np.mean(truth * np.log(p) + (~truth) * np.log(1 - p))
+                print(f"{workload:<8} {'new' if new else 'own':<9} {len(mine):>6} {accepted.mean():>9.2f} "
+                      f"{name:<14} {p.sum(1).mean():>9.2f} {loss:>9.4f}")
 
 
 if __name__ == "__main__":

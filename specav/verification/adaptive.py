@@ -21,8 +21,8 @@ Rules (survival s_i = product of a request's confidences 1..i, architecture.md):
   slot j expects gain g = the value of its best block from slot j on: sum over i = j..n of
   s_{j-1} * c_j * ... * c_i, less the price of its slots past j, maximised over n, where the
   confidences are the estimator's at each position for the request's latest feature (slot
-  j-1's, or for j = 1 its recent slot features and the population's, their survivals averaged:
-  the no-draft decision, FeatureSamples). A block, not slot
+  j-1's, or for j = 1 its recent blocks and the population's, their survivals averaged: the
+  no-draft decision, BlockSamples). A block, not slot
   j alone, because the first verified slot costs more than the next ones and a drafted slot
   opens the deeper ones: valued alone, slots that pay as a block would stop (deeper slots are
   priced at a row's share of a forward). Sorted by net gain (g less the price of its slot's own
@@ -45,15 +45,15 @@ Rules (survival s_i = product of a request's confidences 1..i, architecture.md):
 * Catch-up. A request whose drafter has more than the usual one or two tokens to catch up on
   (a new request's prompt) joins the draft rule only if drafting is predicted to beat
   target-only decoding, over its remaining tokens, by more than the catch-up costs (the value
-  per step of drafting its best number of slots, from its feature history at every slot, at
-  the target-only rate, times its expected remaining steps); otherwise it decodes target-only
+  per step of drafting its best number of slots, predicted from its recent blocks, at the
+  target-only rate, times its expected remaining steps); otherwise it decodes target-only
   and is probed later like a request that stopped.
 * Cold start. With nothing known (no request has drafted yet), one request drafts and has
   verified its whole block, as an exploring request does: of the requests that have emitted
   `cold_start_after` tokens (an answer's first tokens are its least predictable, and this one
   block stands for all traffic until more is drafted), the one whose drafter has the fewest
   tokens to catch up on. Until one has, every request decodes target-only; after the block, the
-  others wait one step for the population's features, which then stand in for a new request's
+  others wait one step for the population's blocks, which then stand in for a new request's
   own history. A whole block, because one slot's feature would stand for the whole population:
   a first slot rejected made every later request's catch-up look unpaid (code at concurrency 1:
   the first two requests never drafted). Only where learning could pay: if every draft were
@@ -102,34 +102,38 @@ from specav.types import DraftBatch, Plan, Scores, StepRecord, attended
 from specav.verification.cost_model import CostModel, _decay
 from specav.verification.planner import DraftPlan, RequestShape, register
 
-HISTORY_DECAY = 0.7  # per step: how much of a request's feature evidence carries into the next step
-HISTORY_SLOTS = 32  # a request's latest drafted slot features kept (older ones weigh < 0.7 ** 4 at K = 8)
-_POPULATION_SLOTS = 256  # the traffic's latest drafted slot features kept (the prior of new requests)
-_PRIOR_SLOTS = 2.0  # the population's features count as this many of the request's own slots
+HISTORY_DECAY = 0.7  # per step: how much of a request's evidence carries into the next step it drafts
+HISTORY_BLOCKS = 8  # a request's latest drafted blocks kept (older ones weigh < 0.7 ** 8)
+_POPULATION_BLOCKS = 64  # the traffic's latest drafted blocks kept (the prior of new requests)
+_PRIOR_BLOCKS = 1.0  # the population's blocks count as this many of the request's own blocks
 _CAUGHT_UP = 2  # drafter pending tokens of a request that drafted last step (its final token, maybe x_K)
 
 
 @dataclass(slots=True)
-class FeatureSamples:
-    """Recent slot features, each with a weight that decays per step: what predicts the next slots.
+class BlockSamples:
+    """Recent drafted blocks (each its slots' features, slot 1 first), each with a weight that
+    decays per step: samples of the next block, what predicts a request's slots before it drafts.
 
-    The prediction averages the confidences (and survivals) of the samples, not the confidence of
-    their mean feature: confidence is not linear in the feature, and on the packaged pair the mean
-    feature's confidence overstated slot 1's acceptance by 4 (prose) to 10 (chat) points where the
-    mean confidence was within 2 (docs/adaptive.md, "Predicting a request's next slots")."""
+    A block, not its slots one by one: a block's deeper slots continue the drafter's own guesses,
+    which it is surer of than of the target's next token, so a deep slot's feature is no sample
+    of a slot 1 (on prose at concurrency 4, a cold start whose slot 1 was doubtful and rejected
+    but whose slots 2-8 were sure made every new request expect 0.9 tokens from slot 1 and 6.7
+    from a block of 8; all four entered and lost). Each block is scored at its own positions and
+    its survivals are averaged with the others' (a confidence is not linear in the feature: the
+    mean feature's would overstate it; docs/adaptive.md, "Predicting a request's next slots")."""
 
-    features: list[float] = field(default_factory=list)
+    blocks: list[list[float]] = field(default_factory=list)
     weights: list[float] = field(default_factory=list)
 
     @classmethod
-    def of(cls, features: Iterable[float], weight: float = 1.0) -> "FeatureSamples":
-        features = list(features)
-        return cls(features, [weight] * len(features))
+    def of(cls, blocks: Iterable[Sequence[float]], weight: float = 1.0) -> "BlockSamples":
+        blocks = [list(b) for b in blocks]
+        return cls(blocks, [weight] * len(blocks))
 
-    def add(self, features: Iterable[float], decay: float, keep: int) -> None:
-        """A step passed (older weights times `decay`) and drafted `features`; keep the latest `keep`."""
-        new = list(features)
-        self.features = (self.features + new)[-keep:]
+    def add(self, blocks: Iterable[Sequence[float]], decay: float, keep: int) -> None:
+        """A step passed (older weights times `decay`) and drafted `blocks`; keep the latest `keep`."""
+        new = [list(b) for b in blocks if len(b)]
+        self.blocks = (self.blocks + new)[-keep:]
         self.weights = ([w * decay for w in self.weights] + [1.0] * len(new))[-keep:]
         if self.weights and max(self.weights) < 1e-100:  # long without a draft: keep the ratios, not underflow
             top = max(self.weights)
@@ -139,12 +143,22 @@ class FeatureSamples:
     def total(self) -> float:
         return sum(self.weights)
 
+    def with_prior(self, prior: "BlockSamples", worth: float, num_slots: int) -> tuple[list[list[float]], list[float]]:
+        """These blocks and the prior's, the prior's weights scaled to weigh `worth` blocks in all,
+        each block's features # [num_slots]: past its end, its last slot's feature stands for the
+        deeper slots (as in the stop rule, which predicts them from the latest slot drafted)."""
+        blocks, weights = self.blocks, self.weights
+        if prior.blocks and prior.total > 0:
+            scale = worth / prior.total
+            blocks, weights = blocks + prior.blocks, weights + [w * scale for w in prior.weights]
+        return [(b + b[-1:] * num_slots)[:num_slots] for b in blocks], list(weights)
+
 
 @dataclass(slots=True)
 class _History:
     """What the planner remembers of one request between steps."""
 
-    samples: FeatureSamples = field(default_factory=FeatureSamples)  # its drafted slots' features
+    samples: BlockSamples = field(default_factory=BlockSamples)  # its drafted blocks' features
     wait: int = 0  # steps left before it may draft again
     interval: int = 1  # the wait after its next probe that does not pay
     probing: bool = False  # its next slot 1 is drafted whatever the rule says (after a wait)
@@ -240,7 +254,7 @@ class AdaptivePlanner:
         self.generator = torch.Generator().manual_seed(config.seed)  # exploration only
         self.rate_alpha = _decay(config.rate_halflife)
         self.history: dict[str, _History] = {}
-        self.population = FeatureSamples()  # recent drafted slot features of all requests (new requests' prior)
+        self.population = BlockSamples()  # recent drafted blocks of all requests (new requests' prior)
         self.probe_budget = 0.0  # seconds of compute probes may still spend (probe_share of measured steps)
         self._control = False  # this step is a control step (the whole batch target-only)
 
@@ -286,7 +300,7 @@ class AdaptivePlanner:
                    shapes: Sequence[RequestShape]) -> DraftPlan:
         b = len(requests)
         price = self.price(requests, shapes)
-        self._control = self.config.control_share > 0 and b > 0 and bool(self.population.features) and (
+        self._control = self.config.control_share > 0 and b > 0 and bool(self.population.blocks) and (
             not self.cost.plain_observations  # the first step after the cold start, until one is measured
             or float(torch.rand(1, generator=self.generator, dtype=torch.float64)) < self.config.control_share)
         if self._control:  # the whole batch decodes target-only (see the module docstring)
@@ -348,7 +362,7 @@ class AdaptivePlanner:
                     shapes: Sequence[RequestShape], rate: float, draft_row: float) -> list[int]:
         """With nothing known yet, the one request that drafts: the cheapest catch-up, if learning
         could pay at all (see the module docstring)."""
-        if self.population.features:
+        if self.population.blocks:
             return []
         unknown = [i for i, (r, m) in enumerate(zip(requests, max_slots))
                    if m > 0 and not self._known(self._history(r))]
@@ -375,7 +389,7 @@ class AdaptivePlanner:
         """Whether a request's drafter should catch up (a new request's prompt, or tokens skipped):
         an investment, worth it when drafting is predicted to beat target-only decoding (`rate`
         tokens per second) by more over the request's remaining tokens than the catch-up costs.
-        Predicted from the request's feature history at every slot, its block priced at `draft_row`
+        Predicted from the request's recent blocks (and the population's), priced at `draft_row`
         seconds per drafted row, after the `pending` tokens of the batch's decoding steps (one per
         request: the steps the investment pays off in, not this one, which may be a prompt's prefill:
         a block and a drafting premium priced on a 150-token prefill refused every entry on code)."""
@@ -416,7 +430,7 @@ class AdaptivePlanner:
 
     def _choose_first_slot(self, requests: Sequence[Request], candidates: list[int], forced: list[int],
                            price: float, shapes: Sequence[RequestShape]) -> set[int]:
-        """Which candidates draft slot 1, predicted from their feature history (no drafter forward
+        """Which candidates draft slot 1, predicted from their recent blocks (no drafter forward
         yet). A candidate's gain is the value of its best block, not of slot 1 alone: the first
         verified slot costs the most (measured costs are not convex), so a myopic slot-1 rule would
         stop requests whose blocks pay."""
@@ -446,26 +460,28 @@ class AdaptivePlanner:
         return [max(e - price * (s - row[0]) for e, s in zip(tokens, row)) for tokens, row in zip(expected, seconds)]
 
     def _history_samples(self, requests: Sequence[Request]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each request's samples of its next slot's feature and their weights # [A, M] each (zero
-        weights pad): its own recent slot features, and the population's, which together weigh
-        _PRIOR_SLOTS of its own slots, so one odd slot does not stop a request."""
-        rows = [self._next_slot_samples(self._history(r)) for r in requests]
-        m = max((len(f) for f, _ in rows), default=0)
-        features = torch.zeros(len(rows), max(m, 1), dtype=torch.float64)
-        weights = torch.zeros_like(features)
-        for a, (f, w) in enumerate(rows):
-            features[a, :len(f)] = torch.tensor(f, dtype=torch.float64)
-            weights[a, :len(w)] = torch.tensor(w, dtype=torch.float64)
+        """Each request's samples of its next block # [A, M, K] (features at each slot) and their
+        weights # [A, M] (zero weights pad): its own recent blocks, and the population's, which
+        together weigh _PRIOR_BLOCKS of its own, so one odd block does not stop a request."""
+        rows = [self._history(r).samples.with_prior(self.population, _PRIOR_BLOCKS, self.num_slots)
+                for r in requests]
+        m = max((len(blocks) for blocks, _ in rows), default=0)
+        features = torch.zeros(len(rows), max(m, 1), self.num_slots, dtype=torch.float64)
+        weights = torch.zeros(len(rows), max(m, 1), dtype=torch.float64)
+        for a, (blocks, w) in enumerate(rows):
+            if blocks:
+                features[a, :len(blocks)] = torch.tensor(blocks, dtype=torch.float64)
+                weights[a, :len(w)] = torch.tensor(w, dtype=torch.float64)
         return features, weights
 
     def _predicted_blocks(self, samples: torch.Tensor, weights: torch.Tensor, prefix: torch.Tensor) -> torch.Tensor:
         """Expected accepted tokens of drafting slots 1..n, n = 1..K, per request # [A, K], after a
-        prefix of survival # [A], from samples # [A, M] of its next slot's feature with weights
-        # [A, M] (_history_samples), each standing in for every slot: their survivals are averaged
-        (a confidence is not linear in the feature: the mean feature's would overstate it). The
-        stop rule does the same for one feature per request on plain numbers (_SurvivalStop)."""
-        a, m = samples.shape
-        confidences = torch.nan_to_num(self.scorer.score(samples.reshape(-1, 1).expand(-1, self.num_slots)), nan=0.0)
+        prefix of survival # [A], from samples # [A, M, K] of its next block with weights # [A, M]
+        (_history_samples): their survivals are averaged (a confidence is not linear in the
+        feature: the mean feature's would overstate it). The stop rule does the same for one
+        feature per request, standing for all deeper slots, on plain numbers (_SurvivalStop)."""
+        a, m, k = samples.shape
+        confidences = torch.nan_to_num(self.scorer.score(samples.reshape(-1, k)), nan=0.0)
         w = weights / weights.sum(1, keepdim=True).clamp(min=1e-300)  # [A, M]
         survivals = (w[:, :, None] * survival(confidences).reshape(a, m, -1)).sum(1)  # [A, K]
         return torch.cumsum(prefix[:, None] * survivals, dim=1)
@@ -536,16 +552,15 @@ class AdaptivePlanner:
             for request, speedup in zip(record.requests, self._speedups(record)):
                 h = self._history(request)
                 h.speedup += self.rate_alpha * (speedup - h.speedup)
-        features = record.scores.features  # [B, K]
-        drafted_features = features[~torch.isnan(features)]
-        if drafted_features.numel() or self.population.features:
-            self.population.add(drafted_features.tolist(), 1 - self.rate_alpha, _POPULATION_SLOTS)
+        features = record.scores.features.tolist()  # [B][K]
+        blocks = []
         for b, request in enumerate(record.requests):
             drafted = int(record.drafts.num_drafted[b])
             h = self._history(request)
             if drafted:
-                own = features[b, :drafted]
-                h.samples.add(own[~torch.isnan(own)].tolist(), HISTORY_DECAY, HISTORY_SLOTS)
+                block = [f for f in features[b][:drafted] if not math.isnan(f)]
+                h.samples.add([block], HISTORY_DECAY, HISTORY_BLOCKS)
+                blocks.append(block)
             if h.probing and drafted:
                 h.probing = False
                 if drafted >= 2 or drafted >= record.max_slots[b]:
@@ -553,6 +568,8 @@ class AdaptivePlanner:
                 else:
                     h.wait = h.interval
                     h.interval = min(2 * h.interval, self.config.max_probe_interval)
+        if blocks or self.population.blocks:
+            self.population.add(blocks, 1 - self.rate_alpha, _POPULATION_BLOCKS)
 
     def _speedups(self, record: StepRecord) -> list[float]:
         """Each request's measured rate over its target-only rate in a decoding step: its tokens
@@ -575,18 +592,9 @@ class AdaptivePlanner:
     def release(self, request: Request) -> None:
         self.history.pop(request.request_id, None)
 
-    def _next_slot_samples(self, h: _History) -> tuple[list[float], list[float]]:
-        """The features (and weights) that predict a request's next slots: its recent slot features
-        and the population's, the latter weighing _PRIOR_SLOTS of the request's own slots in all."""
-        population = self.population
-        if not population.features or population.total <= 0:
-            return h.samples.features, h.samples.weights
-        scale = _PRIOR_SLOTS / population.total
-        return h.samples.features + population.features, h.samples.weights + [w * scale for w in population.weights]
-
     def _known(self, h: _History) -> bool:
         """Whether anything predicts the request's next slots (nothing before the cold start drafted)."""
-        return bool(h.samples.features or self.population.features)
+        return bool(h.samples.blocks or self.population.blocks)
 
     def _history(self, request: Request) -> _History:
         h = self.history.get(request.request_id)
