@@ -18,14 +18,18 @@ top-k 20, top-p 0.8, request i seeded with i, through:
                    static K=8 run's steps (same accepted counts, so the same emitted tokens) through
                    the cost model, as that run's measured time x predicted(oracle) / predicted(K=8)
 
-Every row is measured in this one process, the methods taking turns per cell (target-only, AV,
-then the static Ks; the order reversed every other turn, so target-only and AV, the comparison
-every goal rests on, always run next to each other), after one warm-up request per method and
-after both models' thread policies (models/threads.py) have made their trial forwards at every
-row count the cells will run, prefills included (the models are shared by all the methods, so
-trials left for the cells would slow whichever method first runs each size); with
-`--rounds N` each cell takes N turns and its figures are over all of them (speeds here drift
-10-20% within minutes: two rounds in opposite orders cancel a steady drift). Printed per cell:
+Every row is measured in this one process, the methods stepping in turn per cell: each method
+runs in its own engine over the same requests, and the engines take one step each, in an order
+reversed every step, every step timed alone; a method's time is the sum of its steps. Speeds on
+these machines drift 10-20% within minutes, in humps as well as slopes (prose at concurrency 4,
+methods run one after another in the order target-only, AV, AV, target-only: target-only's steps
+took a median 74 and 71 ms, AV's 83 and 83 ms with nothing drafted; the same pair minutes later,
+77 and 77 ms), so methods run one after the other compare the machine's moments, not the
+methods; stepped in turn, every method meets the same moments within a second. Before the cells,
+one warm-up request per method, and both models' thread policies (models/threads.py) make their
+trial forwards at every row count the cells will run, prefills included (the models are shared
+by all the methods, so trials left for the cells would slow whichever method first runs each
+size). With `--rounds N` each cell runs N times and its figures are over all of them. Printed per cell:
 tokens/s, the ratio to target-only, to the best static K and to the oracle, tokens per step,
 slots drafted / verified per step, requests that skipped drafting, the seconds of the steps that
 prefilled prompts, and the decoding speed against target-only's (target-only's wall time outside
@@ -107,9 +111,9 @@ class Run:
 
 
 class _Timed:
-    """Wraps an object's methods, adding their wall time to a shared counter (AV's overhead)."""
+    """Wraps an object's methods, adding their wall time to a run's planning_seconds (AV's overhead)."""
 
-    def __init__(self, counter: list[float], target, names: tuple[str, ...]) -> None:
+    def __init__(self, run: Run, target, names: tuple[str, ...]) -> None:
         for name in names:
             original = getattr(target, name)
 
@@ -118,7 +122,7 @@ class _Timed:
                 try:
                     return _original(*args, **kwargs)
                 finally:
-                    counter[0] += time.perf_counter() - start
+                    run.planning_seconds += time.perf_counter() - start
 
             setattr(target, name, timed)
 
@@ -131,46 +135,70 @@ def build_engine(target, drafter, k: int, adaptive: bool, concurrency: int, prof
                   eos_token_ids(target), cost_profile=profile if adaptive else None)
 
 
-def run(target, drafter, method: str, k: int, adaptive: bool, prompts: list[list[int]], max_tokens: int,
-        concurrency: int, profile: CostProfile, adaptive_config: AdaptiveConfig = AdaptiveConfig()) -> Run:
-    engine = build_engine(target, drafter, k, adaptive, concurrency, profile, adaptive_config)
+Method = tuple[str, int, bool, AdaptiveConfig]  # name, K (0: no drafter), adaptive, AV's config
+
+
+def run_cell(target, drafter, methods: list[Method], prompts: list[list[int]], max_tokens: int,
+             concurrency: int, profile: CostProfile) -> dict[str, Run]:
+    """Every method on the same prompts, each in its own engine, the engines stepping in turn (the
+    order reversed every step): a method's time is the sum of its own steps, each timed alone,
+    so the machine's drift falls on every method alike (see the module docstring)."""
+    params = [SamplingParams(max_tokens=max_tokens, seed=i, ignore_eos=True, **PARAMS) for i in range(len(prompts))]
+    engines = []
+    for name, k, adaptive, config in methods:
+        engine, result, prefilled = _instrumented(target, drafter, name, k, adaptive, concurrency, profile, config)
+        for prompt, sp in zip(prompts, params):
+            engine.add_request(prompt, sp)
+        engines.append((engine, result, prefilled))
+    live, turn = engines, 0
+    while live:
+        for engine, result, prefilled in (live if turn % 2 == 0 else live[::-1]):
+            prefilled[0] = False
+            start = time.perf_counter()
+            engine.step()
+            seconds = time.perf_counter() - start
+            result.seconds += seconds
+            if prefilled[0]:
+                result.prefill_seconds += seconds
+        turn += 1
+        live = [e for e in live if e[0].has_work()]
+    for engine, result, _ in engines:
+        stats = engine.stats
+        result.tokens, result.steps = stats.emitted_tokens, stats.steps
+        result.drafted, result.admitted, result.skipped = stats.drafted, stats.admitted, stats.skipped
+        result.by_reason = dict(stats.by_reason)
+    return {result.method: result for _, result, _ in engines}
+
+
+def _instrumented(target, drafter, method: str, k: int, adaptive: bool, concurrency: int, profile: CostProfile,
+                  config: AdaptiveConfig) -> tuple[Engine, Run, list[bool]]:
+    """A method's engine with the listeners and timers its Run needs, the Run, and a flag its
+    listener sets when a step prefilled a prompt."""
+    engine = build_engine(target, drafter, k, adaptive, concurrency, profile, config)
     result = Run(method)
-    counter = [0.0]
+    prefilled = [False]
+
+    def listen(record: StepRecord) -> None:
+        prefilled[0] = bool(record.prefill_tokens)
+        if adaptive and record.plan.predicted is not None and not record.prefill_tokens:  # decoding steps
+            result.predicted_seconds += record.plan.predicted.total
+            result.measured_seconds += record.times.total
+        if method == "static K=8":
+            result.replay.append(_replay_step(record))
+    engine.step_listeners.append(listen)
     if adaptive:
-        _Timed(counter, engine.planner, ("draft_plan", "plan", "observe"))
-        _Timed(counter, engine.scorer, ("score", "observe"))
+        _Timed(result, engine.planner, ("draft_plan", "plan", "observe"))
+        _Timed(result, engine.scorer, ("score", "observe"))
         original_draft_plan = engine.planner.draft_plan
 
         def draft_plan(*args):  # the stop rule runs inside the drafter: time it too
             plan = original_draft_plan(*args)
             if plan.stop_rule is not None:
-                _Timed(counter, plan.stop_rule, ("keep_drafting",))
+                _Timed(result, plan.stop_rule, ("keep_drafting",))
             return plan
 
         engine.planner.draft_plan = draft_plan
-    if adaptive:
-        def compare(record: StepRecord) -> None:
-            if record.plan.predicted is not None and not record.prefill_tokens:  # decoding steps
-                result.predicted_seconds += record.plan.predicted.total
-                result.measured_seconds += record.times.total
-        engine.step_listeners.append(compare)
-
-    def prefill(record: StepRecord) -> None:
-        if record.prefill_tokens:
-            result.prefill_seconds += record.times.total
-    engine.step_listeners.append(prefill)
-    if method == "static K=8":
-        engine.step_listeners.append(lambda r: result.replay.append(_replay_step(r)))
-    params = [SamplingParams(max_tokens=max_tokens, seed=i, ignore_eos=True, **PARAMS) for i in range(len(prompts))]
-    start = time.perf_counter()
-    engine.generate(prompts, params)
-    result.seconds = time.perf_counter() - start
-    stats = engine.stats
-    result.tokens, result.steps = stats.emitted_tokens, stats.steps
-    result.drafted, result.admitted, result.skipped = stats.drafted, stats.admitted, stats.skipped
-    result.planning_seconds = counter[0]
-    result.by_reason = dict(stats.by_reason)
-    return result
+    return engine, result, prefilled
 
 
 def warm_thread_policy(model: PackedCausalLM, max_rows: int) -> None:
@@ -288,8 +316,8 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=8, help="requests per cell")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=1,
-                        help="times each method runs per cell, the order reversed every round (drift cancels); "
-                             "a cell's figures are over all rounds")
+                        help="times each cell runs (every method stepping in turn); a cell's figures are over "
+                             "all rounds")
     parser.add_argument("--ks", default="1,2,4,8",
                         help="static K values (8 is needed for the oracle); none: target-only and AV alone "
                              "(a control of AV's cost where it does not draft, with --rounds)")
@@ -320,8 +348,8 @@ def main() -> None:
     cpu = cpu_model()
     print(f"packaged pair, {args.dtype}, {torch.get_num_threads()} threads, {cpu}; {args.requests} requests x "
           f"{args.max_tokens} tokens per cell (EOS ignored), temperature 0.7, top-k 20, top-p 0.8")
-    for name, k, adaptive, config in methods:  # warm-up: first-call allocations, kernel plans
-        run(target, drafter, name, k, adaptive, [encode_prompt(target.tokenizer, "Hi")], 8, 1, profile, config)
+    run_cell(target, drafter, methods, [encode_prompt(target.tokenizer, "Hi")], 8, 1, profile)  # warm-up: first
+    # calls' allocations, kernel plans
     workloads = {w: [encode_prompt(target.tokenizer, messages=p.chat()) for p in load_workload(w)[: args.requests]]
                  for w in args.workloads.split(",")}
     longest = max(len(p) for prompts in workloads.values() for p in prompts)
@@ -330,15 +358,11 @@ def main() -> None:
     print(f"{'work':<6} {'conc':>4}  {'method':<12} {'tok/s':>8} {'vs T-o':>8} {'vs best':>8} {'vs orac':>8} "
           f"{'tok/step':>8} {'drft/st':>8} {'verf/st':>8} {'skipped':>7} {'prefill':>8} {'dec/T-o':>8}")
     results: dict[tuple[str, int], dict[str, Run]] = {}
-    turn = 0
     for workload, prompts in workloads.items():
         for concurrency in concurrencies:
             cell: dict[str, Run] = {}
             for _ in range(args.rounds):
-                order = turns if turn % 2 == 0 else turns[::-1]
-                turn += 1
-                for name, k, adaptive, config in order:
-                    r = run(target, drafter, name, k, adaptive, prompts, args.max_tokens, concurrency, profile, config)
+                for name, r in run_cell(target, drafter, turns, prompts, args.max_tokens, concurrency, profile).items():
                     cell[name] = cell[name].merge(r) if name in cell else r
             ordered = {name: cell[name] for name, *_ in methods}
             cell = ordered | ({"oracle": oracle(cell["static K=8"], profile)} if ks else {})
