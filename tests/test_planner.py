@@ -18,7 +18,7 @@ from specav.acceptance.features import LossyFeatureError
 from specav.config import AdaptiveConfig, SamplingParams
 from specav.request import Request
 from specav.types import DraftBatch, Ragged, Scores
-from specav.verification.adaptive import _PRIOR_BLOCKS, AdaptivePlanner, BlockSamples, select_prefix
+from specav.verification.adaptive import _PRIOR_BLOCKS, AdaptivePlanner, BlockSamples, block_survival, select_prefix
 from specav.verification.cost_model import CostCurve, CostModel, CostProfile
 from specav.verification.planner import PLANNERS, DraftPlan, StaticPlanner, RequestShape, make_planner
 
@@ -414,7 +414,7 @@ def test_one_odd_block_is_shrunk_toward_the_population_and_many_are_not():
     odd, doubtful = requests(2)
     p.history[odd.request_id] = type(p._history(odd))(samples=BlockSamples.of([[-6.0]], 1.0))
     p.history[doubtful.request_id] = type(p._history(doubtful))(samples=BlockSamples.of([[-6.0]], 10.0))
-    first = p._predicted_blocks(*p._history_samples([odd]), torch.ones(1, dtype=torch.float64))[0, 0]
+    first = p._predicted_blocks(*p._history_samples([odd]))[0, 0]
     c = torch.sigmoid(torch.tensor([-6.0, 6.0], dtype=torch.float64))  # the unfitted estimator: raw q_max
     assert float(first) == pytest.approx(float((c[0] + _PRIOR_BLOCKS * c[1]) / (1 + _PRIOR_BLOCKS)))
     plan = p.draft_plan([odd, doubtful], [4, 4], [RequestShape(1, 10)] * 2)
@@ -428,7 +428,7 @@ def test_a_request_is_predicted_by_the_mean_confidence_of_its_blocks_not_of_thei
     p = planner(4)
     request = requests(1)[0]
     p.history[request.request_id] = type(p._history(request))(samples=BlockSamples.of([[8.0], [-4.0]] * 8))
-    expected = p._predicted_blocks(*p._history_samples([request]), torch.ones(1, dtype=torch.float64))[0]
+    expected = p._predicted_blocks(*p._history_samples([request]))[0]
     sure, doubtful = torch.sigmoid(torch.tensor(8.0, dtype=torch.float64)), torch.sigmoid(torch.tensor(-4.0, dtype=torch.float64))
     survival = [(sure ** n + doubtful ** n) / 2 for n in range(1, 5)]
     assert expected.tolist() == pytest.approx(torch.tensor(survival).cumsum(0).tolist())
@@ -443,7 +443,7 @@ def test_a_blocks_deep_slots_do_not_stand_for_a_slot_1():
     p = planner(4)
     p.population = BlockSamples.of([[-4.0, 8.0, 8.0, 8.0]])
     request = requests(1)[0]
-    expected = p._predicted_blocks(*p._history_samples([request]), torch.ones(1, dtype=torch.float64))[0]
+    expected = p._predicted_blocks(*p._history_samples([request]))[0]
     doubtful, sure = (torch.sigmoid(torch.tensor(x, dtype=torch.float64)) for x in (-4.0, 8.0))
     survival = torch.stack([doubtful * sure ** n for n in range(4)])  # the block's own slots, each at its position
     assert expected.tolist() == pytest.approx(survival.cumsum(0).tolist())
@@ -458,10 +458,30 @@ def test_block_samples_decay_per_step_keep_the_latest_and_extend_by_their_last_s
     assert s.blocks == [[2.0, 5.0], [3.0], [4.0]] and s.weights == [0.25, 0.5, 1.0]
     s.add([], decay=1e-200, keep=3)  # a long time without a draft: the ratios stay, the weights do not underflow
     assert s.weights == pytest.approx([0.25, 0.5, 1.0])
-    prior = BlockSamples.of([[7.0, 8.0, 9.0, 9.5, 9.9]], weight=3.0)
-    blocks, weights = s.with_prior(prior, worth=2.0, num_slots=4)
-    assert blocks == [[2.0, 5.0, 5.0, 5.0], [3.0] * 4, [4.0] * 4, [7.0, 8.0, 9.0, 9.5]]
+    prior = BlockSamples.of([[7.0, 8.0, 9.0]], weight=3.0)
+    blocks, weights = s.with_prior(prior, worth=2.0)
+    assert blocks == [[2.0, 5.0], [3.0], [4.0], [7.0, 8.0, 9.0]]
     assert weights == pytest.approx([0.25, 0.5, 1.0, 2.0])  # the prior weighs `worth` blocks in all
+
+
+def test_block_survival_is_the_mean_survival_of_whole_blocks_and_counts_a_stopped_block_to_its_end():
+    c = torch.tensor([[0.9, 0.8, 0.7], [0.5, 0.4, 0.3], [0.2, 0.9, 0.9]], dtype=torch.float64)  # [M, K]
+    w = torch.tensor([1.0, 2.0, 1.0], dtype=torch.float64)
+    whole = torch.ones(3, 3, dtype=torch.bool)
+    mean = (w[:, None] * torch.cumprod(c, 1)).sum(0) / w.sum()
+    assert block_survival(c, w, whole).tolist() == pytest.approx(mean.tolist())
+    # the third block stopped after its doubtful slot 1: slot 1 from all three, deeper from the others
+    stopped = whole.clone()
+    stopped[2, 1:] = False
+    s1 = (0.9 * 1 + 0.5 * 2 + 0.2 * 1) / 4
+    s2 = s1 * (0.9 * 0.8 + 2 * 0.5 * 0.4) / (0.9 + 2 * 0.5)
+    s3 = s2 * (0.9 * 0.8 * 0.7 + 2 * 0.5 * 0.4 * 0.3) / (0.9 * 0.8 + 2 * 0.5 * 0.4)
+    assert block_survival(c, w, stopped).tolist() == pytest.approx([s1, s2, s3])
+    # no block drafted past slot 1: all of them stand in, each extended (as the mean of whole blocks)
+    first = torch.zeros(3, 3, dtype=torch.bool)
+    first[:, 0] = True
+    assert block_survival(c, w, first).tolist() == pytest.approx(mean.tolist())
+    assert block_survival(c, torch.zeros(3, dtype=torch.float64), whole).tolist() == [0.0] * 3  # nothing known
 
 
 def test_only_caught_up_requests_explore():

@@ -16,16 +16,17 @@ shared-slope fit of all the logs (so that only the predictor differs, not the ca
     slot samples    every drafted slot's feature, at whatever position it was drafted, is a
                     sample of the next slot's feature, standing for every slot of the block
                     (the planner before)
-    block samples   every drafted block (its slots' features, each scored at its own position,
-                    the last standing for the slots past the block's end) is a sample of the
-                    next block (the planner now: `BlockSamples`)
+    block samples   every drafted block (its slots' features, each scored at its own position)
+                    is a sample of the next block; a block counts up to its end and not past it
+                    (the planner now: `BlockSamples`, `block_survival`)
 
 The truth is the step's accepted prefix a (the log labels slots up to the first rejection):
 the block's slot n survives if a >= n. Printed per workload, for new requests (population only)
 and for requests with their own history: blocks predicted, the observed mean of a, the mean
 predicted sum of s_n, and the log-loss of s_n against [a >= n], averaged over n = 1..K. The log
-has each block's features up to its first rejection, where the planner has every drafted slot's,
-so both predictors see the shorter blocks here. Reads logs only; loads no model.
+has each block's features up to its first rejection, where the planner has every drafted slot's:
+here a block ends at its first rejection, in the planner where its drafting stopped. Reads logs
+only; loads no model.
 """
 
 from __future__ import annotations
@@ -33,11 +34,12 @@ from __future__ import annotations
 import argparse
 
 import numpy as np
+import torch
 
 from specav.config import AdaptiveConfig
 from specav.evaluation.report import fit_position_logistic, load_slots
 from specav.verification.adaptive import (_POPULATION_BLOCKS, _PRIOR_BLOCKS, HISTORY_BLOCKS, HISTORY_DECAY,
-                                          BlockSamples)
+                                          BlockSamples, block_survival)
 from specav.verification.cost_model import _decay
 
 _SLOT_PRIOR = 2.0  # the planner before: the population's features counted as two of the request's slots
@@ -66,8 +68,11 @@ def _slot_prediction(own: BlockSamples, population: BlockSamples, k: int, slope,
 
 
 def _block_prediction(own: BlockSamples, population: BlockSamples, k: int, slope, intercept) -> np.ndarray:
-    rows, weights = own.with_prior(population, _PRIOR_BLOCKS, k)
-    return _survivals(np.array(rows), np.array(weights), slope, intercept)
+    blocks, weights = own.with_prior(population, _PRIOR_BLOCKS)
+    features = np.array([(b + b[-1:] * k)[:k] for b in blocks])
+    drafted = np.arange(k)[None, :] < np.array([len(b) for b in blocks])[:, None]
+    confidences = torch.from_numpy(_sigmoid(slope * features + intercept))
+    return block_survival(confidences, torch.tensor(weights, dtype=torch.float64), torch.from_numpy(drafted)).numpy()
 
 
 PREDICTORS = {"slot samples": _slot_prediction, "block samples": _block_prediction}

@@ -93,7 +93,6 @@ from typing import Iterable, Sequence
 
 import torch
 
-from specav.acceptance.estimator import survival
 from specav.acceptance.features import require_lossless
 from specav.acceptance.scorer import Scorer
 from specav.config import AdaptiveConfig
@@ -143,15 +142,35 @@ class BlockSamples:
     def total(self) -> float:
         return sum(self.weights)
 
-    def with_prior(self, prior: "BlockSamples", worth: float, num_slots: int) -> tuple[list[list[float]], list[float]]:
-        """These blocks and the prior's, the prior's weights scaled to weigh `worth` blocks in all,
-        each block's features # [num_slots]: past its end, its last slot's feature stands for the
-        deeper slots (as in the stop rule, which predicts them from the latest slot drafted)."""
+    def with_prior(self, prior: "BlockSamples", worth: float) -> tuple[list[list[float]], list[float]]:
+        """These blocks and the prior's, the prior's weights scaled to weigh `worth` blocks in all."""
         blocks, weights = self.blocks, self.weights
         if prior.blocks and prior.total > 0:
             scale = worth / prior.total
             blocks, weights = blocks + prior.blocks, weights + [w * scale for w in prior.weights]
-        return [(b + b[-1:] * num_slots)[:num_slots] for b in blocks], list(weights)
+        return list(blocks), list(weights)
+
+
+def block_survival(confidences: torch.Tensor, weights: torch.Tensor, drafted: torch.Tensor) -> torch.Tensor:
+    """The next block's survival of slots 1..K # [..., K], from past blocks' confidences # [..., M, K]
+    (each slot scored at its position; past a block's end, its last slot's feature stands for the
+    deeper slots), their weights # [..., M] and which of their slots were drafted # [..., M, K] bool.
+
+    A product-limit estimate: slot i survives slot i - 1 with the ratio, over the blocks that drafted
+    slot i, of their weighted survival to slot i and to slot i - 1, so a block the stop rule ended
+    at slot j counts up to slot j (its doubtful last slot included) and not past it, where the next
+    block's stop rule would end it too: extended by that doubtful feature, such blocks made a code
+    request's blocks of 8 worth 4.5 tokens where they yield 6-7, and refused entries that pay. Where
+    no block drafted slot i, all of them stand in, extended. With every block drafted to K it is
+    the weighted mean of their survivals (a confidence is not linear in the feature: the survival
+    of a mean feature would overstate it)."""
+    s = torch.cumprod(confidences, dim=-1)
+    before = torch.cat([torch.ones_like(s[..., :1]), s[..., :-1]], dim=-1)  # survival to slot i - 1
+    w = weights[..., None]  # [..., M, 1]
+    seen = drafted & (w > 0)
+    risk = torch.where(seen.any(dim=-2, keepdim=True), seen, torch.ones_like(seen)).to(s.dtype)
+    num, den = (w * risk * s).sum(-2), (w * risk * before).sum(-2)
+    return torch.cumprod(torch.where(den > 0, num / den.clamp(min=1e-300), torch.zeros_like(num)), dim=-1)
 
 
 @dataclass(slots=True)
@@ -393,7 +412,7 @@ class AdaptivePlanner:
         seconds per drafted row, after the `pending` tokens of the batch's decoding steps (one per
         request: the steps the investment pays off in, not this one, which may be a prompt's prefill:
         a block and a drafting premium priced on a 150-token prefill refused every entry on code)."""
-        expected = self._predicted_blocks(*self._history_samples([request]), torch.ones(1, dtype=torch.float64))[0]
+        expected = self._predicted_blocks(*self._history_samples([request]))[0]
         return self._drafting_repays(expected, shape, request.remaining, pending, rate, draft_row)
 
     def _drafting_repays(self, expected: torch.Tensor, shape: RequestShape, remaining: int, pending: int,
@@ -439,8 +458,7 @@ class AdaptivePlanner:
         verify_tokens = sum(s.pending for s in shapes) + len(forced)
         draft_row = self._draft_row(len(candidates) + len(forced))  # deeper slots' rows, if all of them draft
         slot_attended = [shapes[i].slot_attended for i in candidates]
-        samples, weights = self._history_samples([requests[i] for i in candidates])
-        expected = self._predicted_blocks(samples, weights, torch.ones(len(candidates), dtype=torch.float64))
+        expected = self._predicted_blocks(*self._history_samples([requests[i] for i in candidates]))
         gains = self.best_blocks(expected.tolist(), price, verify_tokens, draft_row, slot_attended)
         # nothing forced: the first candidate makes this a drafting step, whose verify costs more; the
         # premium is measured on decoding steps (a prefill teaches neither kind of verify), so it is
@@ -459,32 +477,31 @@ class AdaptivePlanner:
         seconds = self._block_seconds(verify_tokens, draft_row, slot_attended)  # [A][K]
         return [max(e - price * (s - row[0]) for e, s in zip(tokens, row)) for tokens, row in zip(expected, seconds)]
 
-    def _history_samples(self, requests: Sequence[Request]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each request's samples of its next block # [A, M, K] (features at each slot) and their
-        weights # [A, M] (zero weights pad): its own recent blocks, and the population's, which
-        together weigh _PRIOR_BLOCKS of its own, so one odd block does not stop a request."""
-        rows = [self._history(r).samples.with_prior(self.population, _PRIOR_BLOCKS, self.num_slots)
-                for r in requests]
-        m = max((len(blocks) for blocks, _ in rows), default=0)
-        features = torch.zeros(len(rows), max(m, 1), self.num_slots, dtype=torch.float64)
+    def _history_samples(self, requests: Sequence[Request]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Each request's samples of its next block: features # [A, M, K] (past a block's end, its
+        last slot's), weights # [A, M] (zero weights pad) and which slots were drafted # [A, M, K]:
+        its own recent blocks, and the population's, which together weigh _PRIOR_BLOCKS of its own,
+        so one odd block does not stop a request."""
+        rows = [self._history(r).samples.with_prior(self.population, _PRIOR_BLOCKS) for r in requests]
+        m, k = max((len(blocks) for blocks, _ in rows), default=0), self.num_slots
+        features = torch.zeros(len(rows), max(m, 1), k, dtype=torch.float64)
         weights = torch.zeros(len(rows), max(m, 1), dtype=torch.float64)
+        drafted = torch.zeros(len(rows), max(m, 1), k, dtype=torch.bool)
         for a, (blocks, w) in enumerate(rows):
             if blocks:
-                features[a, :len(blocks)] = torch.tensor(blocks, dtype=torch.float64)
+                features[a, :len(blocks)] = torch.tensor([(b + b[-1:] * k)[:k] for b in blocks], dtype=torch.float64)
                 weights[a, :len(w)] = torch.tensor(w, dtype=torch.float64)
-        return features, weights
+                for j, b in enumerate(blocks):
+                    drafted[a, j, :len(b)] = True
+        return features, weights, drafted
 
-    def _predicted_blocks(self, samples: torch.Tensor, weights: torch.Tensor, prefix: torch.Tensor) -> torch.Tensor:
-        """Expected accepted tokens of drafting slots 1..n, n = 1..K, per request # [A, K], after a
-        prefix of survival # [A], from samples # [A, M, K] of its next block with weights # [A, M]
-        (_history_samples): their survivals are averaged (a confidence is not linear in the
-        feature: the mean feature's would overstate it). The stop rule does the same for one
-        feature per request, standing for all deeper slots, on plain numbers (_SurvivalStop)."""
+    def _predicted_blocks(self, samples: torch.Tensor, weights: torch.Tensor, drafted: torch.Tensor) -> torch.Tensor:
+        """Expected accepted tokens of drafting slots 1..n, n = 1..K, per request # [A, K], from
+        samples of its next block (_history_samples) by `block_survival`. The stop rule predicts
+        from one feature per request, standing for all deeper slots, on plain numbers (_SurvivalStop)."""
         a, m, k = samples.shape
-        confidences = torch.nan_to_num(self.scorer.score(samples.reshape(-1, k)), nan=0.0)
-        w = weights / weights.sum(1, keepdim=True).clamp(min=1e-300)  # [A, M]
-        survivals = (w[:, :, None] * survival(confidences).reshape(a, m, -1)).sum(1)  # [A, K]
-        return torch.cumsum(prefix[:, None] * survivals, dim=1)
+        confidences = torch.nan_to_num(self.scorer.score(samples.reshape(-1, k)), nan=0.0).reshape(a, m, k)
+        return torch.cumsum(block_survival(confidences, weights, drafted), dim=1)
 
     def _block_seconds(self, verify_tokens: int, draft_row: float, slot_attended: Sequence[int]) -> list[list[float]]:
         """Seconds that drafting and verifying 1..K slots add to the step, per request # [A][K]
