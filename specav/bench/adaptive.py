@@ -344,12 +344,11 @@ def main() -> None:
     default = AdaptiveConfig()
     methods = ([("target-only", 0, False, default)] + [(f"static K={k}", k, False, default) for k in ks]
                + [("AV", args.av_k, True, default)] + variants)
-    turns = [methods[0], methods[len(ks) + 1]] + variants + methods[1:len(ks) + 1]  # target-only and AV adjacent
     cpu = cpu_model()
     print(f"packaged pair, {args.dtype}, {torch.get_num_threads()} threads, {cpu}; {args.requests} requests x "
           f"{args.max_tokens} tokens per cell (EOS ignored), temperature 0.7, top-k 20, top-p 0.8")
-    run_cell(target, drafter, methods, [encode_prompt(target.tokenizer, "Hi")], 8, 1, profile)  # warm-up: first
-    # calls' allocations, kernel plans
+    # warm-up: first calls' allocations, kernel plans
+    run_cell(target, drafter, methods, [encode_prompt(target.tokenizer, "Hi")], 8, 1, profile)
     workloads = {w: [encode_prompt(target.tokenizer, messages=p.chat()) for p in load_workload(w)[: args.requests]]
                  for w in args.workloads.split(",")}
     longest = max(len(p) for prompts in workloads.values() for p in prompts)
@@ -362,10 +361,9 @@ def main() -> None:
         for concurrency in concurrencies:
             cell: dict[str, Run] = {}
             for _ in range(args.rounds):
-                for name, r in run_cell(target, drafter, turns, prompts, args.max_tokens, concurrency, profile).items():
+                for name, r in run_cell(target, drafter, methods, prompts, args.max_tokens, concurrency, profile).items():
                     cell[name] = cell[name].merge(r) if name in cell else r
-            ordered = {name: cell[name] for name, *_ in methods}
-            cell = ordered | ({"oracle": oracle(cell["static K=8"], profile)} if ks else {})
+            cell |= {"oracle": oracle(cell["static K=8"], profile)} if ks else {}
             results[(workload, concurrency)] = cell
             print_cell(workload, concurrency, cell)
     if args.plot:

@@ -4,7 +4,7 @@
 
 Before a request's first slot of a step nothing of the step is drafted, so the adaptive planner
 predicts the block it would draft (the survival s_n of its slots n = 1..K, whose sum is the
-expected accepted tokens) from what earlier steps drafted: the request's own recent slots, with
+expected accepted tokens) from what earlier steps drafted: the request's own drafted slots, with
 the traffic's (the population's) as a prior; for a new request, the population's alone
 (verification/adaptive.py). This replays the logs (written by `specav eval collect` with a static
 K, so that every step's block is verified from slot 1: e.g. `specav eval collect --out runs/k8
