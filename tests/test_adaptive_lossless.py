@@ -232,10 +232,10 @@ def run_engine(pair, planner):
 RULES = {  # rule -> planner settings that make it fire often on the tiny pair
     "admission": dict(price=4.0),
     "early stop": dict(price=3.0),
-    "no draft": dict(price=4.5, rate=4.0, probe_interval=1, probe_share=1.0),
+    "no draft": dict(price=4.5, rate=1.5, probe_interval=1, probe_share=1.0),
     "exploration": dict(price=50.0, exploration=0.3),
     "control": dict(price=0.5, control_share=0.3),
-    "all": dict(price=3.5, rate=4.0, exploration=0.1, probe_interval=1, probe_share=1.0, control_share=0.1),
+    "all": dict(price=4.0, rate=1.5, exploration=0.1, probe_interval=1, probe_share=1.0, control_share=0.1),
 }
 
 

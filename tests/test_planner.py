@@ -409,7 +409,8 @@ def test_price_is_never_below_min_speedup_times_the_target_only_rate():
 
 
 def test_one_odd_block_is_shrunk_toward_the_population_and_many_are_not():
-    p = planner(4)
+    p = AdaptivePlanner(4, OnlineAcceptanceEstimator(4), cost_model(draft_fixed=0.05),
+                        AdaptiveConfig(exploration=0.0, control_share=0.0, cold_start_after=0))  # a cheap drafter
     p.population = BlockSamples.of([[6.0]])  # the traffic drafts confidently
     odd, doubtful = requests(2)
     p.history[odd.request_id] = type(p._history(odd))(samples=BlockSamples.of([[-6.0]], 1.0))
@@ -448,6 +449,22 @@ def test_a_blocks_deep_slots_do_not_stand_for_a_slot_1():
     survival = torch.stack([doubtful * sure ** n for n in range(4)])  # the block's own slots, each at its position
     assert expected.tolist() == pytest.approx(survival.cumsum(0).tolist())
     assert float(expected[-1]) < 0.08
+
+
+def test_deeper_rows_are_priced_at_the_share_of_the_requests_that_draft():
+    """Slot 1 accepted half the time, deeper slots nearly always: drafting 4 slots pays if the
+    drafter's rows are shared by two requests (4 x 0.12 s), not if one drafts alone (4 x 0.22 s).
+    Beside a doubtful request that the rule leaves out, the odd one would draft alone: priced as
+    if the doubtful one shared its forwards (before), it drafted; now it does not."""
+    def plan(other: float) -> list[int]:
+        p = planner(4)
+        odd, another = requests(2)
+        p.population = BlockSamples.of([[6.0]])
+        p.history[odd.request_id] = type(p._history(odd))(samples=BlockSamples.of([[-6.0]], 1.0))
+        p.history[another.request_id] = type(p._history(another))(samples=BlockSamples.of([[other]], 10.0))
+        return p.draft_plan([odd, another], [4, 4], [RequestShape(1, 10)] * 2).num_slots
+    assert plan(-6.0) == [0, 0]  # beside a doubtful request, the odd one would draft alone
+    assert plan(6.0) == [4, 4]  # beside a sure one, the two share the drafter's forwards
 
 
 def test_block_samples_decay_per_step_keep_the_latest_and_extend_by_their_last_slot():

@@ -25,7 +25,8 @@ Rules (survival s_i = product of a request's confidences 1..i, architecture.md):
   no-draft decision, BlockSamples). A block, not slot
   j alone, because the first verified slot costs more than the next ones and a drafted slot
   opens the deeper ones: valued alone, slots that pay as a block would stop (deeper slots are
-  priced at a row's share of a forward). Sorted by net gain (g less the price of its slot's own
+  priced at a row's share of a forward, shared by the requests that draft: at slot 1, by those
+  the rule chooses, and for a catch-up, by the requests drafting now). Sorted by net gain (g less the price of its slot's own
   costs), the requests drafting slot j are the prefix n that maximises sum(g) - lambda *
   (drafter forward over their tokens + their n verified slots + attention to their contexts in
   both models), and at slot 1 of a step nothing else drafts in, once, the drafting premium
@@ -325,8 +326,9 @@ class AdaptivePlanner:
         if self._control:  # the whole batch decodes target-only (see the module docstring)
             return _no_draft(b, price, shapes)
         rate = self.config.min_speedup * self.target_only_rate(shapes)  # what a catch-up must beat
-        entry_row = self._draft_row(len(shapes))
-        cold_start = self._cold_start(requests, max_slots, shapes, rate, entry_row)
+        cold_start = self._cold_start(requests, max_slots, shapes, rate, self._draft_row(len(shapes)))
+        # an entrant's rows are shared by the requests drafting now (caught up: they drafted last step)
+        entry_row = self._draft_row(1 + sum(1 for s in shapes if s.draft_pending <= _CAUGHT_UP))
         if not cold_start and not any(self._known(self._history(r)) for r in requests):
             return _no_draft(b, price, shapes)  # nothing known, and learning would not pay: nothing to draw
         explore = torch.rand(b, generator=self.generator, dtype=torch.float64) < \
@@ -456,16 +458,23 @@ class AdaptivePlanner:
         if not candidates:
             return set()
         verify_tokens = sum(s.pending for s in shapes) + len(forced)
-        draft_row = self._draft_row(len(candidates) + len(forced))  # deeper slots' rows, if all of them draft
         slot_attended = [shapes[i].slot_attended for i in candidates]
-        expected = self._predicted_blocks(*self._history_samples([requests[i] for i in candidates]))
-        gains = self.best_blocks(expected.tolist(), price, verify_tokens, draft_row, slot_attended)
+        expected = self._predicted_blocks(*self._history_samples([requests[i] for i in candidates])).tolist()
         # nothing forced: the first candidate makes this a drafting step, whose verify costs more; the
         # premium is measured on decoding steps (a prefill teaches neither kind of verify), so it is
         # priced on their tokens, one per request, not on a prompt being prefilled in this step
         premium = 0.0 if forced else self.cost.drafting_premium(len(shapes), sum(s.context for s in shapes))
-        chosen = self.choose(gains, [1] * len(candidates), len(forced), price, verify_tokens, slot_attended, premium)
-        return {candidates[j] for j in chosen}
+        # deeper slots' rows are shared by the requests that draft: priced first as if every candidate
+        # did, then at the number chosen until that holds (fewer rows cost more each, so it only falls)
+        drafting = len(candidates)
+        while True:
+            gains = self.best_blocks(expected, price, verify_tokens, self._draft_row(drafting + len(forced)),
+                                     slot_attended)
+            chosen = self.choose(gains, [1] * len(candidates), len(forced), price, verify_tokens, slot_attended,
+                                 premium)
+            if len(chosen) >= drafting:
+                return {candidates[j] for j in chosen}
+            drafting = len(chosen)
 
     def best_blocks(self, expected: list[list[float]], price: float, verify_tokens: int, draft_row: float,
                     slot_attended: Sequence[int]) -> list[float]:
