@@ -361,7 +361,8 @@ def main() -> None:
         for concurrency in concurrencies:
             cell: dict[str, Run] = {}
             for _ in range(args.rounds):
-                for name, r in run_cell(target, drafter, methods, prompts, args.max_tokens, concurrency, profile).items():
+                runs = run_cell(target, drafter, methods, prompts, args.max_tokens, concurrency, profile)
+                for name, r in runs.items():
                     cell[name] = cell[name].merge(r) if name in cell else r
             cell |= {"oracle": oracle(cell["static K=8"], profile)} if ks else {}
             results[(workload, concurrency)] = cell

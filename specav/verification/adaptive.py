@@ -22,14 +22,14 @@ Rules (survival s_i = product of a request's confidences 1..i, architecture.md):
   s_{j-1} * c_j * ... * c_i, less the price of its slots past j, maximised over n, where the
   confidences are the estimator's at each position for the request's latest feature (slot
   j-1's, or for j = 1 its recent blocks and the population's, their survivals averaged: the
-  no-draft decision, BlockSamples). A block, not slot
-  j alone, because the first verified slot costs more than the next ones and a drafted slot
-  opens the deeper ones: valued alone, slots that pay as a block would stop (deeper slots are
-  priced at a row's share of a forward, shared by the requests that draft: at slot 1, by those
-  the rule chooses, and for a catch-up, by the requests drafting now). Sorted by net gain (g less the price of its slot's own
-  costs), the requests drafting slot j are the prefix n that maximises sum(g) - lambda *
-  (drafter forward over their tokens + their n verified slots + attention to their contexts in
-  both models), and at slot 1 of a step nothing else drafts in, once, the drafting premium
+  no-draft decision, BlockSamples). A block, not slot j alone, because the first verified slot
+  costs more than the next ones and a drafted slot opens the deeper ones: valued alone, slots
+  that pay as a block would stop (deeper slots are priced at a row's share of a forward, shared
+  by the requests that draft: at slot 1, by those the rule chooses, and for a catch-up, by the
+  requests drafting now). Sorted by net gain (g less the price of its slot's own costs), the
+  requests drafting slot j are the prefix n that maximises sum(g) - lambda * (drafter forward
+  over their tokens + their n verified slots + attention to their contexts in both models),
+  and at slot 1 of a step nothing else drafts in, once, the drafting premium
   (cost_model.py: a step that drafts verifies slower than one that does not); n = 0 stops
   drafting. Lossless: it reads q_1..q_{j-1} of the request and anything of the others, never
   x_j or what follows from it.
