@@ -39,7 +39,7 @@ import torch
 from specav.config import AdaptiveConfig
 from specav.evaluation.report import fit_position_logistic, load_slots
 from specav.verification.adaptive import (_POPULATION_BLOCKS, _PRIOR_BLOCKS, HISTORY_BLOCKS, HISTORY_DECAY,
-                                          BlockSamples, block_survival)
+                                          BlockSamples, block_features, block_survival)
 from specav.verification.cost_model import _decay
 
 _SLOT_PRIOR = 2.0  # the planner before: the population's features counted as two of the request's slots
@@ -69,10 +69,9 @@ def _slot_prediction(own: BlockSamples, population: BlockSamples, k: int, slope,
 
 def _block_prediction(own: BlockSamples, population: BlockSamples, k: int, slope, intercept) -> np.ndarray:
     blocks, weights = own.with_prior(population, _PRIOR_BLOCKS)
-    features = np.array([(b + b[-1:] * k)[:k] for b in blocks])
-    drafted = np.arange(k)[None, :] < np.array([len(b) for b in blocks])[:, None]
-    confidences = torch.from_numpy(_sigmoid(slope * features + intercept))
-    return block_survival(confidences, torch.tensor(weights, dtype=torch.float64), torch.from_numpy(drafted)).numpy()
+    features, drafted = block_features(blocks, k)
+    confidences = torch.from_numpy(_sigmoid(slope * features.numpy() + intercept))
+    return block_survival(confidences, torch.tensor(weights, dtype=torch.float64), drafted).numpy()
 
 
 PREDICTORS = {"slot samples": _slot_prediction, "block samples": _block_prediction}
@@ -85,7 +84,7 @@ def predictions(data, slope: np.ndarray, intercept: np.ndarray) -> list[dict]:
     population_decay = 1.0 - _decay(AdaptiveConfig().rate_halflife)
     order = np.lexsort((data.position, data.request, data.step))
     step, request, position = data.step[order], data.request[order], data.position[order]
-    feature, label = data.logit_q_max[order], data.label[order]
+    feature, label, workload = data.logit_q_max[order], data.label[order], data.workload[order]
     own: dict[int, BlockSamples] = {}
     population = BlockSamples()
     rows = []
@@ -96,7 +95,7 @@ def predictions(data, slope: np.ndarray, intercept: np.ndarray) -> list[dict]:
             mine = now & (request == r)
             history = own.setdefault(int(r), BlockSamples())
             if population.blocks:
-                rows.append({"workload": data.workload_names[data.workload[order][mine][0]],
+                rows.append({"workload": data.workload_names[workload[mine][0]],
                              "new": not history.blocks, "accepted": int(label[mine].sum()),
                              **{name: predict(history, population, k, slope, intercept)
                                 for name, predict in PREDICTORS.items()}})

@@ -152,6 +152,15 @@ class BlockSamples:
         return list(blocks), list(weights)
 
 
+def block_features(blocks: Sequence[Sequence[float]], num_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blocks as the inputs of `block_survival`: their features # [M, K], past a block's end its
+    last slot's, and which of their slots were drafted # [M, K] bool."""
+    features = torch.tensor([(list(b) + list(b[-1:]) * num_slots)[:num_slots] for b in blocks],
+                            dtype=torch.float64).reshape(len(blocks), num_slots)
+    drafted = torch.arange(num_slots)[None, :] < torch.tensor([len(b) for b in blocks])[:, None]
+    return features, drafted
+
+
 def block_survival(confidences: torch.Tensor, weights: torch.Tensor, drafted: torch.Tensor) -> torch.Tensor:
     """The next block's survival of slots 1..K # [..., K], from past blocks' confidences # [..., M, K]
     (each slot scored at its position; past a block's end, its last slot's feature stands for the
@@ -498,10 +507,8 @@ class AdaptivePlanner:
         drafted = torch.zeros(len(rows), max(m, 1), k, dtype=torch.bool)
         for a, (blocks, w) in enumerate(rows):
             if blocks:
-                features[a, :len(blocks)] = torch.tensor([(b + b[-1:] * k)[:k] for b in blocks], dtype=torch.float64)
+                features[a, :len(blocks)], drafted[a, :len(blocks)] = block_features(blocks, k)
                 weights[a, :len(w)] = torch.tensor(w, dtype=torch.float64)
-                for j, b in enumerate(blocks):
-                    drafted[a, j, :len(b)] = True
         return features, weights, drafted
 
     def _predicted_blocks(self, samples: torch.Tensor, weights: torch.Tensor, drafted: torch.Tensor) -> torch.Tensor:

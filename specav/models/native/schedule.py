@@ -11,9 +11,9 @@ the target's K = 8960 weights 7-41% slower with them at 3 to 16 rows, and took 1
 to 16 rows with the prefetch, which the hardware's prefetchers made useless at one row
 (docs/quantized.md). So each schedule is timed here on synthetic weights of a long-K shape
 (N = 1536, K = 8960, Q4_K and Q6_K: the packaged target's down projections) and a short one
-(N = 8960, K = 1536, Q4_K) at the row counts of verification (`ROWS`), one thread, cache-cold, the schedules in
-turns (median of `REPEATS`); the variant's own default stays unless another is faster by more than
-`MARGIN` in total. One thread, as the kernel profile (quant_choice.py): the cache effects are per
+(N = 8960, K = 1536, Q4_K) at the row counts of verification (`ROWS`), one thread, cache-cold,
+the schedules in turns (median of `REPEATS`); the variant's own default stays unless another is
+faster by more than `MARGIN` in total. One thread, as the kernel profile (quant_choice.py): the cache effects are per
 core, and two-thread timings of millisecond calls on a shared machine measure the scheduler. The
 outcome is kept in `schedule.json` in the variant's build directory under the machine's fingerprint
 (probe.py), so a machine measures once per build (about 8 s).
