@@ -57,6 +57,9 @@ class FixedPricePlanner(AdaptivePlanner):
     def target_only_rate(self, shapes) -> float:  # the catch-up rule's price, held fixed too
         return self.fixed_rate
 
+    def _speedups(self, record) -> list[float]:  # and the requests' measured speed-ups (the wait's value)
+        return [1.0] * len(record.requests)
+
 
 class ArgmaxBudgetPlanner(FixedPricePlanner):
     """LOSSY on purpose: each request's budget is the depth k maximising its expected tokens minus the

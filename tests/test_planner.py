@@ -302,20 +302,41 @@ def test_the_cold_start_prices_a_deferred_drafters_load():
     assert drafted(1000.0, 4000) == [4]
 
 
-def test_a_due_probe_waits_for_its_budget_and_pays_its_catch_up():
+def test_a_due_probe_waits_while_the_budget_is_in_debt_and_pays_its_catch_up():
     p = planner(4, probe_interval=1)
     request = requests(1)[0]
     p.history[request.request_id] = type(p._history(request))(samples=BlockSamples.of([[-6.0]], 100.0),
                                                                probing=True)
     shape = RequestShape(1, 10, draft_pending=40)
     price = p.cost.draft_seconds(40, 10) + p.cost.verify_seconds(2, 10) - p.cost.verify_seconds(1, 10)
-    p.probe_budget = 0.99 * price
-    assert p.draft_plan([request], [4], [shape]).num_slots == [0]  # due, not covered: it waits
+    p.probe_budget = -0.01 * price
+    assert p.draft_plan([request], [4], [shape]).num_slots == [0]  # due, in debt: it waits
     assert p.history[request.request_id].probing
-    p.probe_budget = 1.5 * price
+    p.probe_budget = 0.25 * price  # in credit: it pays its whole price, into debt
     plan = p.draft_plan([request], [4], [shape])
     assert plan.num_slots == [4] and plan.reasons == ("probe",)
-    assert p.probe_budget == pytest.approx(0.5 * price)
+    assert p.probe_budget == pytest.approx(-0.75 * price)
+
+
+def test_probes_spend_their_share_however_fast_their_price_grows():
+    """A probe's price grows with every token its request skips, faster than the budget grows at
+    concurrency 1: a due probe still runs, and probes spend the budget's share and one probe more."""
+    p = planner(4, probe_interval=1, max_probe_interval=1, probe_share=0.02)
+    request = requests(1)[0]
+    p.history[request.request_id] = h = type(p._history(request))(samples=BlockSamples.of([[-6.0]], 100.0))
+    step, steps, prices, pending = 0.5, 400, [], 2
+    for _ in range(steps):
+        h.probing, budget = True, p.probe_budget
+        shape = RequestShape(1, 200, draft_pending=pending)
+        if p.draft_plan([request], [4], [shape]).num_slots[0]:
+            prices.append(budget - p.probe_budget)
+            pending = 2
+        else:
+            pending += 1  # skipped: one more token to catch up on
+        p.observe(_decoding_record([], [], [], [], step))
+    assert (p.cost.draft_seconds(12) - p.cost.draft_seconds(2)) / 10 > 0.02 * step  # the price outgrows the budget
+    assert len(prices) >= 2  # yet probes ran
+    assert sum(prices) <= 0.02 * steps * step + max(prices)  # at their share, and one probe more
 
 
 def test_the_probe_budget_grows_by_its_share_of_measured_steps():
@@ -351,6 +372,23 @@ def test_a_request_with_confident_history_drafts_and_one_without_does_not():
     p.history[bad.request_id] = type(p._history(bad))(samples=BlockSamples.of([[-6.0]], 100.0), probing=False)
     plan = p.draft_plan([good, bad], [4, 4], [RequestShape(1, 10)] * 2)
     assert plan.num_slots == [4, 0]
+
+
+def test_a_no_draft_decision_is_valued_over_the_wait_it_commits_to():
+    """Not drafting commits a request to `interval` target-only steps: where drafting has paid (its
+    measured speed-up above min_speedup), those steps forgo tokens, and a doubtful block drafts."""
+    p = planner(4)
+    request = requests(1)[0]
+
+    def drafts(speedup: float, interval: int) -> bool:
+        p.history[request.request_id] = type(p._history(request))(samples=BlockSamples.of([[-6.0]], 100.0),
+                                                                   speedup=speedup, interval=interval)
+        return p.draft_plan([request], [4], [RequestShape(1, 10)]).num_slots == [4]
+
+    assert not drafts(speedup=1.0, interval=64)  # drafting has not paid: the wait forgoes nothing
+    assert not drafts(speedup=1.05, interval=64)  # (min_speedup: the margin asked of predictions)
+    assert not drafts(speedup=1.5, interval=1)  # one step's wait forgoes less than the block loses
+    assert drafts(speedup=1.5, interval=64)
 
 
 def test_exploration_draws_come_from_the_planners_own_generator():

@@ -33,16 +33,19 @@ Rules (survival s_i = product of a request's confidences 1..i, architecture.md):
   (cost_model.py: a step that drafts verifies slower than one that does not); n = 0 stops
   drafting. Lossless: it reads q_1..q_{j-1} of the request and anything of the others, never
   x_j or what follows from it.
-* Skip and probe. A request the rule leaves out at slot 1 does not draft for `probe_interval`
-  steps (it decodes target-only; its drafter catches up on the skipped tokens in one packed
-  forward when it drafts again), then drafts slot 1 whatever the rule says, so fresh features
-  can bring it back (a code block in a chat answer). A probe that does not lead to slot 2
+* Skip and probe. A request the rule leaves out at slot 1 (its block valued beside the wait
+  that not drafting commits it to: `_wait_value`) does not draft for `probe_interval` steps (it
+  decodes target-only; its drafter catches up on the skipped tokens in one packed forward when
+  it drafts again), then drafts slot 1 whatever the rule says, so fresh features can bring it
+  back (a code block in a chat answer). A probe that does not lead to slot 2
   doubles the wait, up to `max_probe_interval`. Probes are paid from a budget, `probe_share`
   of the measured step time: a probe's catch-up costs the drafter a forward over every token
-  skipped, so probing on a timer alone would cost a fixed share of compute (about 1.5 ms per
-  skipped token on this project's CPUs) however rarely it ran. A due probe whose price (the
-  drafter forward over its pending tokens and one verified slot) the budget does not cover
-  waits for it.
+  skipped, so probing on a timer alone would cost a fixed share of compute (about 1.5-3 ms per
+  skipped token on this project's CPUs) however rarely it ran. A due probe waits while the
+  budget is in debt; in credit, it pays its price (the drafter forward over its pending tokens
+  and one verified slot), into debt if need be: the price grows by a skipped token's catch-up
+  every step it waits, faster than the budget at concurrency 1, so waiting for the whole price
+  would be waiting for ever.
 * Catch-up. A request whose drafter has more than the usual one or two tokens to catch up on
   (a new request's prompt) joins the draft rule only if drafting is predicted to beat
   target-only decoding, over its remaining tokens, by more than the catch-up costs (the value
@@ -363,7 +366,7 @@ class AdaptivePlanner:
                 reasons[i] = "explore"
             elif h.probing:
                 if not self._pay_probe(shapes[i]):
-                    continue  # due, but the budget does not cover its catch-up yet
+                    continue  # due, but the budget is in debt
                 forced.append(i)
                 reasons[i] = "probe"
             elif h.wait > 0:
@@ -450,12 +453,15 @@ class AdaptivePlanner:
         return self.cost.draft_seconds(d, attended(d, context)) - self.cost.draft_seconds(1, context + d - 1)
 
     def _pay_probe(self, shape: RequestShape) -> bool:
-        """Whether the probe budget covers this probe (and if so, take its price from it)."""
-        price = self._catch_up_seconds(shape) + self.cost.draft_seconds(1, shape.slot_attended) + \
-            self.cost.verify_added(shape.pending, 1, shape.slot_attended)
-        if price > self.probe_budget:
+        """Whether the probe budget is in credit (and if so, take this probe's price from it, into
+        debt if need be: a probe's price grows with every token its request skips, by more than the
+        budget grows in a step at concurrency 1, so a probe that waited for its whole price to be
+        covered never ran; code at concurrency 1 decoded most of its requests target-only after one
+        refused entry). Probes still spend at most `probe_share` of compute, and one probe more."""
+        if self.probe_budget <= 0:
             return False
-        self.probe_budget -= price
+        self.probe_budget -= self._catch_up_seconds(shape) + self.cost.draft_seconds(1, shape.slot_attended) + \
+            self.cost.verify_added(shape.pending, 1, shape.slot_attended)
         return True
 
     def _choose_first_slot(self, requests: Sequence[Request], candidates: list[int], forced: list[int],
@@ -469,6 +475,7 @@ class AdaptivePlanner:
         verify_tokens = sum(s.pending for s in shapes) + len(forced)
         slot_attended = [shapes[i].slot_attended for i in candidates]
         expected = self._predicted_blocks(*self._history_samples([requests[i] for i in candidates])).tolist()
+        waits = [self._wait_value(requests[i]) for i in candidates]
         # nothing forced: the first candidate makes this a drafting step, whose verify costs more; the
         # premium is measured on decoding steps (a prefill teaches neither kind of verify), so it is
         # priced on their tokens, one per request, not on a prompt being prefilled in this step
@@ -477,13 +484,25 @@ class AdaptivePlanner:
         # did, then at the number chosen until that holds (fewer rows cost more each, so it only falls)
         drafting = len(candidates)
         while True:
-            gains = self.best_blocks(expected, price, verify_tokens, self._draft_row(drafting + len(forced)),
-                                     slot_attended)
+            gains = [g + w for g, w in zip(self.best_blocks(expected, price, verify_tokens,
+                                                            self._draft_row(drafting + len(forced)), slot_attended),
+                                           waits)]
             chosen = self.choose(gains, [1] * len(candidates), len(forced), price, verify_tokens, slot_attended,
                                  premium)
             if len(chosen) >= drafting:
                 return {candidates[j] for j in chosen}
             drafting = len(chosen)
+
+    def _wait_value(self, request: Request) -> float:
+        """Tokens a no-draft decision forgoes beyond this step: it commits the request to `interval`
+        target-only steps, each a token short of what drafting has been yielding it (its measured
+        speed-up over target-only, less `min_speedup`, the margin the rules ask of predictions: a
+        request that has not drafted measures 1 give or take the machine's noise, and one whose
+        drafts turned to failing loses its speed-up as they fail). Valued on this step alone, one
+        doubtful block of a code request (its predicted slot 1 from ~0.95 to ~0.75) stopped it for
+        8 steps (a per-step trace of code at concurrency 1)."""
+        h = self._history(request)
+        return h.interval * max(0.0, h.speedup - self.config.min_speedup)
 
     def best_blocks(self, expected: list[list[float]], price: float, verify_tokens: int, draft_row: float,
                     slot_attended: Sequence[int]) -> list[float]:
