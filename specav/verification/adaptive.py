@@ -37,15 +37,15 @@ Rules (survival s_i = product of a request's confidences 1..i, architecture.md):
   that not drafting commits it to: `_wait_value`) does not draft for `probe_interval` steps (it
   decodes target-only; its drafter catches up on the skipped tokens in one packed forward when
   it drafts again), then drafts slot 1 whatever the rule says, so fresh features can bring it
-  back (a code block in a chat answer). A probe that does not lead to slot 2
-  doubles the wait, up to `max_probe_interval`. Probes are paid from a budget, `probe_share`
-  of the measured step time: a probe's catch-up costs the drafter a forward over every token
-  skipped, so probing on a timer alone would cost a fixed share of compute (about 1.5-3 ms per
-  skipped token on this project's CPUs) however rarely it ran. A due probe waits while the
-  budget is in debt; in credit, it pays its price (the drafter forward over its pending tokens
-  and one verified slot), into debt if need be: the price grows by a skipped token's catch-up
-  every step it waits, faster than the budget at concurrency 1, so waiting for the whole price
-  would be waiting for ever.
+  back (a code block in a chat answer). A probe that does not lead to slot 2 doubles the wait,
+  up to `max_probe_interval`. Probes are paid from a budget, `probe_share` of the measured step
+  time: a probe's catch-up costs the drafter a forward over every token skipped, so probing on
+  a timer alone would cost a fixed share of compute (about 1.5-4 ms per skipped token on this
+  project's CPUs) however rarely it ran. A due probe waits while the budget is in debt; in
+  credit, it pays its price (the drafter forward over its pending tokens and one verified
+  slot), into debt if need be: the price grows by a skipped token's catch-up every step it
+  waits, faster than the budget at concurrency 1, so waiting for the whole price would be
+  waiting for ever.
 * Catch-up. A request whose drafter has more than the usual one or two tokens to catch up on
   (a new request's prompt) joins the draft rule only if drafting is predicted to beat
   target-only decoding, over its remaining tokens, by more than the catch-up costs (the value
@@ -500,7 +500,8 @@ class AdaptivePlanner:
         request that has not drafted measures 1 give or take the machine's noise, and one whose
         drafts turned to failing loses its speed-up as they fail). Valued on this step alone, one
         doubtful block of a code request (its predicted slot 1 from ~0.95 to ~0.75) stopped it for
-        8 steps (a per-step trace of code at concurrency 1)."""
+        8 steps (a per-step trace of code at concurrency 1); measured end to end, once probes ran,
+        its effect was within the noise (docs/adaptive.md, at 6c7b781)."""
         h = self._history(request)
         return h.interval * max(0.0, h.speedup - self.config.min_speedup)
 
