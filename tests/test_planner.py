@@ -276,10 +276,11 @@ def test_the_cold_start_waits_until_a_perfect_drafter_could_repay_it():
     # cost_model(): 1 s per target-only step, a drafter row 0.22 s, a verified slot 0.1 s
     assert drafted(planner(4), 2) == [0]  # 2 tokens cannot repay a 4-slot block and a catch-up
     assert drafted(planner(4), 400) == [4]
-    # batch-wide: three requests that each could not repay it can together
-    p, batch = planner(4), [Request([1] * 10, SamplingParams(max_tokens=2), request_id=f"b{i}") for i in range(3)]
-    assert p.draft_plan(batch[:1], [4], shape).num_slots == [0]
-    assert p.draft_plan(batch, [4] * 3, shape * 3).num_slots == [4, 0, 0]
+    # the cold start's request drafts alone: a whole drafter forward per slot, however many requests
+    # the step holds (priced at the batch's share, it passed where no entry could follow it)
+    batch = [Request([1] * 10, SamplingParams(max_tokens=5), request_id=f"b{i}") for i in range(3)]
+    assert planner(4).draft_plan(batch[:1], [4], shape).num_slots == [4]
+    assert planner(4).draft_plan(batch, [4] * 3, shape * 3).num_slots == [0, 0, 0]
     dear = AdaptivePlanner(4, OnlineAcceptanceEstimator(4), cost_model(verify_per_token=1.0),
                            AdaptiveConfig(exploration=0.0, control_share=0.0, cold_start_after=0))
     assert drafted(dear, 100_000) == [0]  # a verified slot costs a whole step: even a perfect drafter loses

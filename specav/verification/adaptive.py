@@ -61,7 +61,8 @@ Rules (survival s_i = product of a request's confidences 1..i, architecture.md):
   own history. A whole block, because one slot's feature would stand for the whole population:
   a first slot rejected made every later request's catch-up look unpaid (code at concurrency 1:
   the first two requests never drafted). Only where learning could pay: if every draft were
-  accepted, drafting the best block must beat target-only decoding over the batch's remaining
+  accepted, drafting the best block (its rows a whole drafter forward each, as an entrant's are
+  where nothing else drafts) must beat target-only decoding over the batch's remaining
   tokens by more than the cold start costs (the catch-up, the whole block, and the drafter's
   load where it is deferred until a plan first drafts: `CostModel.draft_setup`). Where even a
   perfect drafter would not repay it (a short request, or a machine whose verification costs
@@ -338,9 +339,10 @@ class AdaptivePlanner:
         if self._control:  # the whole batch decodes target-only (see the module docstring)
             return _no_draft(b, price, shapes)
         rate = self.config.min_speedup * self.target_only_rate(shapes)  # what a catch-up must beat
-        cold_start = self._cold_start(requests, max_slots, shapes, rate, self._draft_row(len(shapes)))
-        # an entrant's rows are shared by the requests drafting now (caught up: they drafted last step)
+        # an entrant's rows are shared by the requests drafting now (caught up: they drafted last step);
+        # so are the cold start's, whose request drafts alone
         entry_row = self._draft_row(1 + sum(1 for s in shapes if s.draft_pending <= _CAUGHT_UP))
+        cold_start = self._cold_start(requests, max_slots, shapes, rate, entry_row)
         if not cold_start and not any(self._known(self._history(r)) for r in requests):
             return _no_draft(b, price, shapes)  # nothing known, and learning would not pay: nothing to draw
         explore = torch.rand(b, generator=self.generator, dtype=torch.float64) < \
