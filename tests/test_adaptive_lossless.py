@@ -31,7 +31,7 @@ from specav.config import AdaptiveConfig, EstimatorConfig, SamplingParams
 from specav.request import Request
 from specav.types import DraftBatch, Plan, Ragged
 from specav.verification import adaptive
-from specav.verification.adaptive import AdaptivePlanner, BlockSamples
+from specav.verification.adaptive import AdaptivePlanner, Population
 from specav.verification.planner import DraftPlan, RequestShape
 from tests.test_lossless import V as ENGINE_V, empirical_joint, exact_joint, p_value
 from specav.verification.cost_model import CostCurve, CostModel, CostProfile
@@ -127,7 +127,7 @@ def planner_policy(planner: AdaptivePlanner, early_stop: bool = True):
     def policy(q_rows, drafts) -> int:
         request = Request([0], SamplingParams(), request_id=f"enum-{next(counter)}")
         planner._history(request).probing = True  # a due probe: it drafts slot 1, the rules decide the rest
-        planner.probe_budget, planner.population = math.inf, BlockSamples.of([[0.0]])
+        planner.probe_budget, planner.population = math.inf, Population.of([[0.0]])
         plan = planner.draft_plan([request], [K], [RequestShape(1, 0)])
         feats = [slot_features(q_rows[i], drafts[i]) for i in range(K)]
         depth = 1
@@ -235,7 +235,7 @@ def run_engine(pair, planner):
 RULES = {  # rule -> planner settings that make it fire often on the tiny pair
     "admission": dict(price=4.0),
     "early stop": dict(price=3.0),
-    "no draft": dict(price=4.5, rate=1.5, probe_interval=1, probe_share=1.0),
+    "no draft": dict(price=4.5, rate=2.0, probe_interval=1, probe_share=1.0),
     "exploration": dict(price=50.0, exploration=0.3),
     "control": dict(price=0.5, control_share=0.3),
     "all": dict(price=4.0, rate=1.5, exploration=0.1, probe_interval=1, probe_share=1.0, control_share=0.1),

@@ -18,7 +18,8 @@ from specav.acceptance.features import LossyFeatureError
 from specav.config import AdaptiveConfig, SamplingParams
 from specav.request import Request
 from specav.types import DraftBatch, Ragged, Scores
-from specav.verification.adaptive import _PRIOR_BLOCKS, AdaptivePlanner, BlockSamples, block_survival, select_prefix
+from specav.verification.adaptive import (_PRIOR_BLOCKS, AdaptivePlanner, BlockSamples, Population, block_survival,
+                                          select_prefix)
 from specav.verification.cost_model import CostCurve, CostModel, CostProfile
 from specav.verification.planner import PLANNERS, DraftPlan, StaticPlanner, RequestShape, make_planner
 
@@ -188,7 +189,7 @@ def requests(n: int) -> list[Request]:
 
 def test_stop_rule_continues_confident_requests_and_stops_doubtful_ones():
     p = planner(4)
-    p.population = BlockSamples.of([[6.0]])  # the traffic drafts confidently: both new requests draft slot 1
+    p.population = Population.of([[6.0]])  # the traffic drafts confidently: both new requests draft slot 1
     batch = requests(2)
     plan = p.draft_plan(batch, [4, 4], [RequestShape(1, 10)] * 2)
     assert plan.num_slots == [4, 4]
@@ -205,7 +206,7 @@ def test_stop_rule_values_the_block_ahead_not_the_next_slot_alone():
         draft = CostCurve.fit({1: 0.01, 64: 0.64})
         p = AdaptivePlanner(4, OnlineAcceptanceEstimator(4), CostModel(CostProfile(verify, draft), halflife=FROZEN),
                             AdaptiveConfig(exploration=0.0, control_share=0.0))
-        p.population = BlockSamples.of([[6.0]])
+        p.population = Population.of([[6.0]])
         p.target_only_rate = lambda shapes: 1.0  # price 1 token per second
         plan = p.draft_plan(requests(1), [4], [RequestShape(1, 0)])
         assert plan.num_slots == [4]
@@ -222,7 +223,7 @@ def test_stop_rule_values_the_block_ahead_not_the_next_slot_alone():
 
 def test_stop_rule_keeps_exploring_requests_whatever_their_features():
     p = planner(4, exploration=1e9)  # a budget so large that every request explores
-    p.population = BlockSamples.of([[0.0]])
+    p.population = Population.of([[0.0]])
     plan = p.draft_plan(requests(2), [4, 4], [RequestShape(1, 10)] * 2)
     assert plan.explore.tolist() == [True, True]
     keep = plan.stop_rule.keep_drafting(0, [0, 1], {"logit_q_max": torch.tensor([-9.0, -9.0])})
@@ -240,7 +241,7 @@ def test_cold_start_drafts_one_whole_block_the_cheapest_catch_up():
     assert plan.reasons == ("", "cold start", "")  # what the stats count its slots under
     assert plan.stop_rule.keep_drafting(0, [1], {"logit_q_max": torch.tensor([-9.0])}).tolist() == [True]
     assert p.draft_plan(requests(3), [4, 0, 4], shapes).num_slots == [0, 0, 4]  # one at max_tokens
-    p.population = BlockSamples.of([[6.0]])  # once one has drafted, the population's features stand in for the rest
+    p.population = Population.of([[6.0]])  # once one has drafted, the population's features stand in for the rest
     assert p.draft_plan(requests(3), [4, 4, 4], shapes).num_slots == [4, 4, 4]
 
 
@@ -394,7 +395,7 @@ def test_a_no_draft_decision_is_valued_over_the_wait_it_commits_to():
 
 def test_exploration_draws_come_from_the_planners_own_generator():
     p = planner(4, exploration=2.0, seed=7)
-    p.population = BlockSamples.of([[0.0]])  # past the cold start (whose request's block is verified whatever the draw)
+    p.population = Population.of([[0.0]])  # past the cold start (whose request's block is verified whatever the draw)
     shapes = [RequestShape(1, 0)] * 3
     chance = p.exploration_probability(shapes)
     assert 0.1 < chance < 0.9
@@ -450,7 +451,7 @@ def test_price_is_never_below_min_speedup_times_the_target_only_rate():
 def test_one_odd_block_is_shrunk_toward_the_population_and_many_are_not():
     p = AdaptivePlanner(4, OnlineAcceptanceEstimator(4), cost_model(draft_fixed=0.05),
                         AdaptiveConfig(exploration=0.0, control_share=0.0, cold_start_after=0))  # a cheap drafter
-    p.population = BlockSamples.of([[6.0]])  # the traffic drafts confidently
+    p.population = Population.of([[6.0]])  # the traffic drafts confidently
     odd, doubtful = requests(2)
     p.history[odd.request_id] = type(p._history(odd))(samples=BlockSamples.of([[-6.0]], 1.0))
     p.history[doubtful.request_id] = type(p._history(doubtful))(samples=BlockSamples.of([[-6.0]], 10.0))
@@ -481,7 +482,7 @@ def test_a_blocks_deep_slots_do_not_stand_for_a_slot_1():
     tokens), not from its features pooled (three of four sure: 0.75 tokens, and 2.2 from a block of
     4), which made every new request enter at once on prose and lose."""
     p = planner(4)
-    p.population = BlockSamples.of([[-4.0, 8.0, 8.0, 8.0]])
+    p.population = Population.of([[-4.0, 8.0, 8.0, 8.0]])
     request = requests(1)[0]
     expected = p._predicted_blocks(*p._history_samples([request]))[0]
     doubtful, sure = (torch.sigmoid(torch.tensor(x, dtype=torch.float64)) for x in (-4.0, 8.0))
@@ -498,7 +499,7 @@ def test_deeper_rows_are_priced_at_the_share_of_the_requests_that_draft():
     def plan(other: float) -> list[int]:
         p = planner(4)
         odd, another = requests(2)
-        p.population = BlockSamples.of([[6.0]])
+        p.population = Population.of([[6.0]])
         p.history[odd.request_id] = type(p._history(odd))(samples=BlockSamples.of([[-6.0]], 1.0))
         p.history[another.request_id] = type(p._history(another))(samples=BlockSamples.of([[other]], 10.0))
         return p.draft_plan([odd, another], [4, 4], [RequestShape(1, 10)] * 2).num_slots
@@ -542,22 +543,48 @@ def test_block_survival_is_the_mean_survival_of_whole_blocks_and_counts_a_stoppe
 
 def test_only_caught_up_requests_explore():
     p = planner(4, exploration=1e9)
-    p.population = BlockSamples.of([[0.0]])
+    p.population = Population.of([[0.0]])
     shapes = [RequestShape(1, 10, draft_pending=2), RequestShape(1, 10, draft_pending=7)]
     assert p.draft_plan(requests(2), [4, 4], shapes).explore.tolist() == [True, False]
 
 
 def test_a_catch_up_is_made_only_when_drafting_is_predicted_to_repay_it():
     p = planner(4)
-    p.population = BlockSamples.of([[6.0]])  # confident traffic
+    p.population = Population.of([[6.0]])  # confident traffic
     long, short = (Request([1] * 40, SamplingParams(max_tokens=n), request_id=f"n{n}") for n in (400, 4))
     shape = RequestShape(1, 10, draft_pending=400)
     assert p.draft_plan([long], [4], [shape]).num_slots == [4]  # 400 tokens to go repay a 400-token catch-up
     assert p.draft_plan([short], [4], [shape]).num_slots == [0]  # 4 tokens to go do not
     assert p.history[short.request_id].wait == p.config.probe_interval  # it is probed later
-    p.population = BlockSamples.of([[-6.0]])  # doubtful traffic: no remaining length repays it
+    p.population = Population.of([[-6.0]])  # doubtful traffic: no remaining length repays it
     doubtful = Request([1] * 40, SamplingParams(max_tokens=400), request_id="d")
     assert p.draft_plan([doubtful], [4], [shape]).num_slots == [0]
+
+
+def test_a_new_request_enters_where_drafting_would_repay_it_like_some_of_the_traffic_s_requests():
+    """A new request may turn out like any of the traffic's recent requests, each alike whatever its
+    number of blocks, and entering is an option (drafting stops where it does not pay): one request
+    whose many recent blocks failed does not refuse an entry that another's confident blocks would
+    repay. The same blocks as one request's (pooled by block, the failing request's outnumber the
+    other's seven to one) refuse it, and so does traffic whose every request failed."""
+    shape = RequestShape(1, 10, draft_pending=400)
+
+    def enters(population: Population) -> bool:
+        p = planner(4)
+        p.population = population
+        r = Request([1] * 40, SamplingParams(max_tokens=400), request_id="new")
+        return p.draft_plan([r], [4], [shape]).num_slots == [4]
+
+    sure, failing = [[6.0] * 4] * 2, [[-6.0]] * 14
+    by_request = Population()
+    for request_id, blocks in (("sure", sure), ("failing", failing)):
+        for block in blocks:
+            by_request.add(request_id, block)
+    assert enters(by_request)
+    assert not enters(Population.of(sure + failing))
+    everyone_failing = Population.of(failing, "a")
+    everyone_failing.add("b", [-6.0])
+    assert not enters(everyone_failing)
 
 
 def test_an_entry_is_judged_on_the_decoding_steps_it_pays_off_in_not_on_its_prefill():
@@ -567,7 +594,7 @@ def test_an_entry_is_judged_on_the_decoding_steps_it_pays_off_in_not_on_its_pref
     verify here) refused every entry (code at concurrency 1 on the AVX2 machine decoded target-only)."""
     def enters(shape: RequestShape) -> int:
         p = planner(4)
-        p.population = BlockSamples.of([[6.0]])  # confident traffic
+        p.population = Population.of([[6.0]])  # confident traffic
         p.cost.target.observations["plain"] = 1
         slower_drafting_verify(p.cost, 1.3)  # drafting steps verify 1.3x slower than plain ones
         r = Request([1] * 150, SamplingParams(max_tokens=400), request_id="r")
@@ -608,7 +635,7 @@ def test_control_steps_decode_the_whole_batch_target_only_at_their_share():
     from specav.types import StageTimes
 
     p = planner(4, control_share=0.25, seed=3)
-    p.population = BlockSamples.of([[6.0]])  # the traffic drafts confidently: outside control steps everyone drafts
+    p.population = Population.of([[6.0]])  # the traffic drafts confidently: outside control steps everyone drafts
     shapes = [RequestShape(1, 0)] * 3
     assert p.draft_plan(requests(3), [4, 4, 4], shapes).num_slots == [0, 0, 0]  # no target-only step measured yet
     p.cost.observe([], 3, 0, StageTimes(0.0, 1.0, 1.0))
@@ -669,7 +696,7 @@ def test_drafting_at_all_pays_the_premium_of_a_drafting_step():
     drafts without it and decodes target-only when the premium exceeds its block's value."""
     def drafts(premium_scale: float, priced: bool = True) -> int:
         p = planner(4)
-        p.population = BlockSamples.of([[3.0]])
+        p.population = Population.of([[3.0]])
         p.target_only_rate = lambda shapes: 1.0  # the price held at 1 token per second
         p.cost.target.observations["plain"] = 1
         slower_drafting_verify(p.cost, premium_scale)  # plain steps at the profile

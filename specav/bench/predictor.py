@@ -36,11 +36,9 @@ import argparse
 import numpy as np
 import torch
 
-from specav.config import AdaptiveConfig
 from specav.evaluation.report import fit_position_logistic, load_slots
-from specav.verification.adaptive import (_POPULATION_BLOCKS, _PRIOR_BLOCKS, HISTORY_BLOCKS, HISTORY_DECAY,
-                                          BlockSamples, block_features, block_survival)
-from specav.verification.cost_model import _decay
+from specav.verification.adaptive import (_PRIOR_BLOCKS, HISTORY_BLOCKS, HISTORY_DECAY, BlockSamples, Population,
+                                          block_features, block_survival)
 
 _SLOT_PRIOR = 2.0  # the planner before: the population's features counted as two of the request's slots
 _SLOT_HISTORY, _SLOT_POPULATION = 32, 256  # ... and it kept this many slot features
@@ -56,19 +54,19 @@ def _survivals(features: np.ndarray, weights: np.ndarray, slope: np.ndarray, int
     return weights @ curves / weights.sum()
 
 
-def _slot_prediction(own: BlockSamples, population: BlockSamples, k: int, slope, intercept) -> np.ndarray:
+def _slot_prediction(own: BlockSamples, population: Population, k: int, slope, intercept) -> np.ndarray:
     def flat(samples: BlockSamples, keep: int) -> tuple[list[float], list[float]]:
         pairs = [(f, w) for block, w in zip(samples.blocks, samples.weights) for f in block][-keep:]
         return [f for f, _ in pairs], [w for _, w in pairs]
     f, w = flat(own, _SLOT_HISTORY)
-    pf, pw = flat(population, _SLOT_POPULATION)
+    pf, pw = flat(population.prior(), _SLOT_POPULATION)
     if pw:
         f, w = f + pf, w + [x * _SLOT_PRIOR / sum(pw) for x in pw]
     return _survivals(np.repeat(np.array(f)[:, None], k, axis=1), np.array(w), slope, intercept)
 
 
-def _block_prediction(own: BlockSamples, population: BlockSamples, k: int, slope, intercept) -> np.ndarray:
-    blocks, weights = own.with_prior(population, _PRIOR_BLOCKS)
+def _block_prediction(own: BlockSamples, population: Population, k: int, slope, intercept) -> np.ndarray:
+    blocks, weights = own.with_prior(population.prior(), _PRIOR_BLOCKS)
     features, drafted = block_features(blocks, k)
     confidences = torch.from_numpy(_sigmoid(slope * features.numpy() + intercept))
     return block_survival(confidences, torch.tensor(weights, dtype=torch.float64), drafted).numpy()
@@ -81,12 +79,11 @@ def predictions(data, slope: np.ndarray, intercept: np.ndarray) -> list[dict]:
     """One row per (request, step) after the population has a block: each predictor's survival
     curve # [K], the accepted prefix, the workload, and whether the request had its own history."""
     k = slope.size
-    population_decay = 1.0 - _decay(AdaptiveConfig().rate_halflife)
     order = np.lexsort((data.position, data.request, data.step))
     step, request, position = data.step[order], data.request[order], data.position[order]
     feature, label, workload = data.logit_q_max[order], data.label[order], data.workload[order]
     own: dict[int, BlockSamples] = {}
-    population = BlockSamples()
+    population = Population()
     rows = []
     for s in np.unique(step):
         now = step == s
@@ -102,7 +99,7 @@ def predictions(data, slope: np.ndarray, intercept: np.ndarray) -> list[dict]:
             blocks[int(r)] = feature[mine][np.argsort(position[mine])].tolist()
         for r, block in blocks.items():
             own[r].add([block], HISTORY_DECAY, HISTORY_BLOCKS)  # (the planner's own weights decay per step drafted)
-        population.add(list(blocks.values()), population_decay, _POPULATION_BLOCKS)
+            population.add(str(r), block)
     return rows
 
 

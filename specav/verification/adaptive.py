@@ -50,8 +50,10 @@ Rules (survival s_i = product of a request's confidences 1..i, architecture.md):
   (a new request's prompt) joins the draft rule only if drafting is predicted to beat
   target-only decoding, over its remaining tokens, by more than the catch-up costs (the value
   per step of drafting its best number of slots, predicted from its recent blocks, at the
-  target-only rate, times its expected remaining steps); otherwise it decodes target-only
-  and is probed later like a request that stopped.
+  target-only rate, times its expected remaining steps; for a new request, the mean of that
+  value over the traffic's recent requests, each counted only where drafting would gain: an
+  entry is an option, as the rules stop drafting where it does not pay); otherwise it decodes
+  target-only and is probed later like a request that stopped.
 * Cold start. With nothing known (no request has drafted yet), one request drafts and has
   verified its whole block, as an exploring request does: of the requests that have emitted
   `cold_start_after` tokens (an answer's first tokens are its least predictable, and this one
@@ -108,7 +110,8 @@ from specav.verification.planner import DraftPlan, RequestShape, register
 
 HISTORY_DECAY = 0.7  # per step: how much of a request's evidence carries into the next step it drafts
 HISTORY_BLOCKS = 8  # a request's latest drafted blocks kept (older ones weigh < 0.7 ** 8)
-_POPULATION_BLOCKS = 64  # the traffic's latest drafted blocks kept (the prior of new requests)
+POPULATION_REQUESTS = 8  # the population: the latest requests that drafted ...
+REQUEST_BLOCKS = 16  # ... each with its latest drafted blocks
 _PRIOR_BLOCKS = 1.0  # the population's blocks count as this many of the request's own blocks
 _CAUGHT_UP = 2  # drafter pending tokens of a request that drafted last step (its final token, maybe x_K)
 
@@ -154,6 +157,65 @@ class BlockSamples:
             scale = worth / prior.total
             blocks, weights = blocks + prior.blocks, weights + [w * scale for w in prior.weights]
         return list(blocks), list(weights)
+
+
+@dataclass(slots=True)
+class Population:
+    """The traffic's drafted blocks, request by request: the latest `POPULATION_REQUESTS` requests
+    that drafted (live or finished), each with its latest `REQUEST_BLOCKS` blocks, every request
+    weighing alike, whatever its number of blocks or steps. What a new request is predicted to be
+    like (any of them: `AdaptivePlanner._entry_pays`), and the prior of a request's own blocks.
+
+    By request, not by step: the next request is drawn from the traffic's requests, not from its
+    latest steps. Decayed per step, at concurrency 1 the traffic was the last request's last
+    blocks, and one code request whose drafts failed (an answer's first tokens) made the next
+    four refuse entries that would have paid (code at concurrency 1, 0.98x target-only in two runs
+    of the same command that read 1.23-1.32x in others: docs/adaptive.md)."""
+
+    requests: dict[str, list[list[float]]] = field(default_factory=dict)  # oldest drafting first
+    _cache: dict[int, tuple[torch.Tensor, ...]] = field(default_factory=dict)  # per K: samples (below)
+
+    @classmethod
+    def of(cls, blocks: Iterable[Sequence[float]], request_id: str = "traffic") -> "Population":
+        """One request's blocks (tests and replays)."""
+        population = cls()
+        for block in blocks:
+            population.add(request_id, block)
+        return population
+
+    def add(self, request_id: str, block: Sequence[float]) -> None:
+        """Request `request_id` drafted `block` (its slots' features, slot 1 first)."""
+        if not len(block):
+            return
+        blocks = self.requests.pop(request_id, [])  # re-inserted: the latest to draft
+        self.requests[request_id] = (blocks + [list(block)])[-REQUEST_BLOCKS:]
+        while len(self.requests) > POPULATION_REQUESTS:
+            del self.requests[next(iter(self.requests))]
+        self._cache.clear()
+
+    @property
+    def blocks(self) -> list[list[float]]:
+        return [block for blocks in self.requests.values() for block in blocks]
+
+    def prior(self) -> BlockSamples:
+        """Every request's blocks, each request's weighing 1 / (number of requests)."""
+        n = len(self.requests)
+        return BlockSamples([b for blocks in self.requests.values() for b in blocks],
+                            [1.0 / (n * len(blocks)) for blocks in self.requests.values() for _ in blocks])
+
+    def samples(self, num_slots: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per request, its blocks as `block_survival`'s inputs, each request's weighing 1:
+        features # [R, M, K], weights # [R, M] (zero weights pad) and drafted # [R, M, K] bool."""
+        if num_slots not in self._cache:
+            r, m = len(self.requests), max((len(b) for b in self.requests.values()), default=0)
+            features = torch.zeros(r, max(m, 1), num_slots, dtype=torch.float64)
+            drafted = torch.zeros(r, max(m, 1), num_slots, dtype=torch.bool)
+            weights = torch.zeros(r, max(m, 1), dtype=torch.float64)
+            for i, blocks in enumerate(self.requests.values()):
+                features[i, :len(blocks)], drafted[i, :len(blocks)] = block_features(blocks, num_slots)
+                weights[i, :len(blocks)] = 1.0 / len(blocks)
+            self._cache[num_slots] = (features, weights, drafted)
+        return self._cache[num_slots]
 
 
 def block_features(blocks: Sequence[Sequence[float]], num_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -287,7 +349,7 @@ class AdaptivePlanner:
         self.generator = torch.Generator().manual_seed(config.seed)  # exploration only
         self.rate_alpha = _decay(config.rate_halflife)
         self.history: dict[str, _History] = {}
-        self.population = BlockSamples()  # recent drafted blocks of all requests (new requests' prior)
+        self.population = Population()  # the traffic's drafted blocks, by request (new requests' prior)
         self.probe_budget = 0.0  # seconds of compute probes may still spend (probe_share of measured steps)
         self._control = False  # this step is a control step (the whole batch target-only)
 
@@ -333,7 +395,7 @@ class AdaptivePlanner:
                    shapes: Sequence[RequestShape]) -> DraftPlan:
         b = len(requests)
         price = self.price(requests, shapes)
-        self._control = self.config.control_share > 0 and b > 0 and bool(self.population.blocks) and (
+        self._control = self.config.control_share > 0 and b > 0 and bool(self.population.requests) and (
             not self.cost.plain_observations  # the first step after the cold start, until one is measured
             or float(torch.rand(1, generator=self.generator, dtype=torch.float64)) < self.config.control_share)
         if self._control:  # the whole batch decodes target-only (see the module docstring)
@@ -397,7 +459,7 @@ class AdaptivePlanner:
                     shapes: Sequence[RequestShape], rate: float, draft_row: float) -> list[int]:
         """With nothing known yet, the one request that drafts: the cheapest catch-up, if learning
         could pay at all (see the module docstring)."""
-        if self.population.blocks:
+        if self.population.requests:
             return []
         unknown = [i for i, (r, m) in enumerate(zip(requests, max_slots))
                    if m > 0 and not self._known(self._history(r))]
@@ -416,7 +478,7 @@ class AdaptivePlanner:
         catch-up and its whole block drafted and verified). Optimism bounds what learning can buy:
         where even a perfect drafter would not repay the block that teaches the population, nothing
         is drafted, and the bound is checked again every step, by the cost model of that step."""
-        perfect = torch.arange(1, self.num_slots + 1, dtype=torch.float64)  # accepted tokens of blocks 1..K
+        perfect = torch.arange(1, self.num_slots + 1, dtype=torch.float64)[None]  # accepted tokens of blocks 1..K
         return self._drafting_repays(perfect, shape, remaining, pending, rate, draft_row, whole_block=True)
 
     def _entry_pays(self, request: Request, shape: RequestShape, pending: int, rate: float,
@@ -424,30 +486,39 @@ class AdaptivePlanner:
         """Whether a request's drafter should catch up (a new request's prompt, or tokens skipped):
         an investment, worth it when drafting is predicted to beat target-only decoding (`rate`
         tokens per second) by more over the request's remaining tokens than the catch-up costs.
-        Predicted from the request's recent blocks (and the population's), priced at `draft_row`
-        seconds per drafted row, after the `pending` tokens of the batch's decoding steps (one per
-        request: the steps the investment pays off in, not this one, which may be a prompt's prefill:
-        a block and a drafting premium priced on a 150-token prefill refused every entry on code)."""
-        expected = self._predicted_blocks(*self._history_samples([request]))[0]
+        Priced at `draft_row` seconds per drafted row, after the `pending` tokens of the batch's
+        decoding steps (one per request: the steps the investment pays off in, not this one, which
+        may be a prompt's prefill: a block and a drafting premium priced on a 150-token prefill
+        refused every entry on code). A request that drafted before is predicted from its recent
+        blocks and the population's, as at slot 1. A new one may turn out like any of the traffic's
+        recent requests (`Population`), and entering buys an option: the rules go on drafting only
+        while drafting pays, so it is worth the mean over those requests of what drafting would
+        gain were it like each, nothing where it would gain nothing (valued at the traffic's mean
+        block, one request whose drafts failed refused the next ones whose drafts would have paid)."""
+        if self._history(request).samples.blocks:
+            expected = self._predicted_blocks(*self._history_samples([request]))
+        else:
+            expected = self._predicted_blocks(*self.population.samples(self.num_slots))
         return self._drafting_repays(expected, shape, request.remaining, pending, rate, draft_row)
 
     def _drafting_repays(self, expected: torch.Tensor, shape: RequestShape, remaining: int, pending: int,
                          rate: float, draft_row: float, whole_block: bool = False) -> bool:
-        """Whether drafting the best block, expected # [K] accepted tokens for blocks of 1..K slots,
-        beats `rate` by more over `remaining` tokens than the request's catch-up costs (and, with
-        whole_block, its whole block drafted and verified once), and the drafter's setup where it
-        has not drafted yet (its deferred load: drafting/deferred.py); blocks priced as if nothing
-        else drafted in their steps, after `pending` tokens."""
+        """Whether drafting the best block beats `rate` by more over `remaining` tokens than the
+        request's catch-up costs (and, with whole_block, its whole block drafted and verified once),
+        and the drafter's setup where it has not drafted yet (its deferred load: drafting/deferred.py);
+        blocks priced as if nothing else drafted in their steps, after `pending` tokens. expected:
+        # [R, K] accepted tokens of blocks of 1..K slots, one row per outcome the request may turn
+        out like, equally likely; each outcome gains nothing where no block pays (drafting stops)."""
         block_seconds = torch.tensor(self._block_seconds(pending, draft_row, [shape.slot_attended])[0],
                                      dtype=torch.float64) + self.cost.drafting_premium(pending)
-        values = expected - rate * block_seconds
-        best = int(values.argmax())
-        if values[best] <= 0:
+        values, best = (expected - rate * block_seconds).max(dim=1)  # [R]: each outcome's best block
+        if not len(values) or not bool((values > 0).any()):
             return False
-        steps_left = remaining / (1.0 + float(expected[best]))
+        steps_left = remaining / (1.0 + expected.gather(1, best[:, None])[:, 0])
+        gain = float((values.clamp(min=0.0) * steps_left).mean())
         price = self._catch_up_seconds(shape) + self.cost.draft_setup + \
             (float(block_seconds[-1]) if whole_block else 0.0)
-        return float(values[best]) * steps_left >= rate * price
+        return gain >= rate * price
 
     def _catch_up_seconds(self, shape: RequestShape) -> float:
         """What feeding a request's pending tokens adds to its first drafter forward, beyond one row."""
@@ -522,15 +593,22 @@ class AdaptivePlanner:
         last slot's), weights # [A, M] (zero weights pad) and which slots were drafted # [A, M, K]:
         its own recent blocks, and the population's, which together weigh _PRIOR_BLOCKS of its own,
         so one odd block does not stop a request."""
-        rows = [self._history(r).samples.with_prior(self.population, _PRIOR_BLOCKS) for r in requests]
-        m, k = max((len(blocks) for blocks, _ in rows), default=0), self.num_slots
-        features = torch.zeros(len(rows), max(m, 1), k, dtype=torch.float64)
-        weights = torch.zeros(len(rows), max(m, 1), dtype=torch.float64)
-        drafted = torch.zeros(len(rows), max(m, 1), k, dtype=torch.bool)
-        for a, (blocks, w) in enumerate(rows):
-            if blocks:
-                features[a, :len(blocks)], drafted[a, :len(blocks)] = block_features(blocks, k)
-                weights[a, :len(w)] = torch.tensor(w, dtype=torch.float64)
+        k = self.num_slots
+        prior_features, prior_weights, prior_drafted = self.population.samples(k)  # every request's weighing 1
+        prior_weights = prior_weights.reshape(-1) * (_PRIOR_BLOCKS / max(len(self.population.requests), 1))
+        own = [self._history(r).samples for r in requests]
+        m = max((len(s.blocks) for s in own), default=0)
+        width = max(m + len(prior_weights), 1)
+        features = torch.zeros(len(own), width, k, dtype=torch.float64)
+        weights = torch.zeros(len(own), width, dtype=torch.float64)
+        drafted = torch.zeros(len(own), width, k, dtype=torch.bool)
+        features[:, m:], drafted[:, m:] = prior_features.reshape(-1, k), prior_drafted.reshape(-1, k)
+        weights[:, m:] = prior_weights
+        for a, samples in enumerate(own):
+            if samples.blocks:
+                n = len(samples.blocks)
+                features[a, :n], drafted[a, :n] = block_features(samples.blocks, k)
+                weights[a, :n] = torch.tensor(samples.weights, dtype=torch.float64)
         return features, weights, drafted
 
     def _predicted_blocks(self, samples: torch.Tensor, weights: torch.Tensor, drafted: torch.Tensor) -> torch.Tensor:
@@ -608,14 +686,13 @@ class AdaptivePlanner:
                 h = self._history(request)
                 h.speedup += self.rate_alpha * (speedup - h.speedup)
         features = record.scores.features.tolist()  # [B][K]
-        blocks = []
         for b, request in enumerate(record.requests):
             drafted = int(record.drafts.num_drafted[b])
             h = self._history(request)
             if drafted:
                 block = [f for f in features[b][:drafted] if not math.isnan(f)]
                 h.samples.add([block], HISTORY_DECAY, HISTORY_BLOCKS)
-                blocks.append(block)
+                self.population.add(request.request_id, block)
             if h.probing and drafted:
                 h.probing = False
                 if drafted >= 2 or drafted >= record.max_slots[b]:
@@ -623,8 +700,6 @@ class AdaptivePlanner:
                 else:
                     h.wait = h.interval
                     h.interval = min(2 * h.interval, self.config.max_probe_interval)
-        if blocks or self.population.blocks:
-            self.population.add(blocks, 1 - self.rate_alpha, _POPULATION_BLOCKS)
 
     def _speedups(self, record: StepRecord) -> list[float]:
         """Each request's measured rate over its target-only rate in a decoding step: its tokens
@@ -649,7 +724,7 @@ class AdaptivePlanner:
 
     def _known(self, h: _History) -> bool:
         """Whether anything predicts the request's next slots (nothing before the cold start drafted)."""
-        return bool(h.samples.blocks or self.population.blocks)
+        return bool(h.samples.blocks or self.population.requests)
 
     def _history(self, request: Request) -> _History:
         h = self.history.get(request.request_id)
