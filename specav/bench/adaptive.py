@@ -139,10 +139,11 @@ Method = tuple[str, int, bool, AdaptiveConfig]  # name, K (0: no drafter), adapt
 
 
 def run_cell(target, drafter, methods: list[Method], prompts: list[list[int]], max_tokens: int,
-             concurrency: int, profile: CostProfile) -> dict[str, Run]:
+             concurrency: int, profile: CostProfile, first_turn: int = 0) -> dict[str, Run]:
     """Every method on the same prompts, each in its own engine, the engines stepping in turn (the
-    order reversed every step): a method's time is the sum of its own steps, each timed alone,
-    so the machine's drift falls on every method alike (see the module docstring)."""
+    order reversed every step, the first step in the order listed or, with an odd `first_turn`,
+    reversed): a method's time is the sum of its own steps, each timed alone, so the machine's
+    drift falls on every method alike (see the module docstring)."""
     params = [SamplingParams(max_tokens=max_tokens, seed=i, ignore_eos=True, **PARAMS) for i in range(len(prompts))]
     engines = []
     for name, k, adaptive, config in methods:
@@ -150,7 +151,7 @@ def run_cell(target, drafter, methods: list[Method], prompts: list[list[int]], m
         for prompt, sp in zip(prompts, params):
             engine.add_request(prompt, sp)
         engines.append((engine, result, prefilled))
-    live, turn = engines, 0
+    live, turn = engines, first_turn
     while live:
         for engine, result, prefilled in (live if turn % 2 == 0 else live[::-1]):
             prefilled[0] = False
@@ -360,8 +361,8 @@ def main() -> None:
     for workload, prompts in workloads.items():
         for concurrency in concurrencies:
             cell: dict[str, Run] = {}
-            for _ in range(args.rounds):
-                runs = run_cell(target, drafter, methods, prompts, args.max_tokens, concurrency, profile)
+            for round_ in range(args.rounds):  # (the first step's order alternates: see the module docstring)
+                runs = run_cell(target, drafter, methods, prompts, args.max_tokens, concurrency, profile, round_)
                 for name, r in runs.items():
                     cell[name] = cell[name].merge(r) if name in cell else r
             cell |= {"oracle": oracle(cell["static K=8"], profile)} if ks else {}
