@@ -29,7 +29,10 @@ methods; stepped in turn, every method meets the same moments within a second. B
 one warm-up request per method, and both models' thread policies (models/threads.py) make their
 trial forwards at every row count the cells will run, prefills included (the models are shared
 by all the methods, so trials left for the cells would slow whichever method first runs each
-size). With `--rounds N` each cell runs N times and its figures are over all of them. Printed per cell:
+size). With `--rounds N` each cell runs N times and its figures are over all of them, the first
+step's order reversed in odd rounds (at C = 8 every prompt is prefilled in that step, and in the
+order listed AV's prefill, sixth, read 13.4 s against target-only's 11.1 s on code: docs/adaptive.md,
+"Zen 4 EPYC, commit ee63101"). Printed per cell:
 tokens/s, the ratio to target-only, to the best static K and to the oracle, tokens per step,
 slots drafted / verified per step, requests that skipped drafting, the seconds of the steps that
 prefilled prompts, and the decoding speed against target-only's (target-only's wall time outside
@@ -361,7 +364,7 @@ def main() -> None:
     for workload, prompts in workloads.items():
         for concurrency in concurrencies:
             cell: dict[str, Run] = {}
-            for round_ in range(args.rounds):  # (the first step's order alternates: see the module docstring)
+            for round_ in range(args.rounds):
                 runs = run_cell(target, drafter, methods, prompts, args.max_tokens, concurrency, profile, round_)
                 for name, r in runs.items():
                     cell[name] = cell[name].merge(r) if name in cell else r

@@ -91,7 +91,7 @@ def predictions(data, slope: np.ndarray, intercept: np.ndarray) -> list[dict]:
         for r in np.unique(request[now]):
             mine = now & (request == r)
             history = own.setdefault(int(r), BlockSamples())
-            if population.blocks:
+            if population.requests:
                 rows.append({"workload": data.workload_names[workload[mine][0]],
                              "new": not history.blocks, "accepted": int(label[mine].sum()),
                              **{name: predict(history, population, k, slope, intercept)
