@@ -16,7 +16,9 @@ top-k 20, top-p 0.8, request i seeded with i, through:
                    turn right after AV, and the goals are AV's own)
     oracle         drafts and verifies exactly up to the first rejection: replayed from the
                    static K=8 run's steps (same accepted counts, so the same emitted tokens) through
-                   the cost model, as that run's measured time x predicted(oracle) / predicted(K=8)
+                   the cost model, as that run's measured time x predicted(oracle) / predicted(K=8);
+                   a request's first drafter forward feeds what its drafter has not seen (its
+                   prompt, and every token since it last drafted), as any drafting method's must
 
 Every row is measured in this one process, the methods stepping in turn per cell: each method
 runs in its own engine over the same requests, and the engines take one step each, in an order
@@ -62,7 +64,7 @@ from specav.models import check_same_vocabulary, load_checkpoint, packaged
 from specav.models.native.probe import cpu_model
 from specav.models.packed import PackedCausalLM
 from specav.models.threads import ThreadChoice
-from specav.types import StepRecord
+from specav.types import StepRecord, attended
 from specav.verification.cost_model import CostModel, CostProfile
 
 PARAMS = dict(temperature=0.7, top_k=20, top_p=0.8)
@@ -74,9 +76,12 @@ class _Step:
 
     pending: int
     attended: int  # key positions the K=8 verify attended to
-    accepted: list[int]
+    accepted: list[int]  # per request
     forwards: list[tuple[int, int]]
     admitted: int
+    request_ids: list[str]
+    draft_pending: list[int]  # per request, the tokens K=8's drafter fed before its first slot
+    tokens: list[int]  # per request, its prompt and output tokens before the step
 
 
 @dataclass(slots=True)
@@ -225,7 +230,29 @@ def warm_thread_policy(model: PackedCausalLM, max_rows: int) -> None:
 def _replay_step(record: StepRecord) -> _Step:
     admitted = int(record.num_admitted.sum())
     return _Step(record.verify_tokens - admitted, record.verify_attended, record.num_accepted.tolist(),
-                 list(record.drafts.forwards), admitted)
+                 list(record.drafts.forwards), admitted, [r.request_id for r in record.requests],
+                 list(record.draft_pending), [r.num_tokens for r in record.requests])
+
+
+def oracle_forwards(step: _Step, unseen: dict[str, int]) -> list[tuple[int, int]]:
+    """The oracle's drafter forwards in a K=8 step, as (tokens, attended): forward j drafts slot j
+    of every request whose draft was accepted to slot j at least. A request's first forward feeds
+    what its drafter has not seen: K=8's pending tokens (its prompt in its first step), and those
+    of the steps the oracle did not draft it in, kept in `unseen` (request id -> tokens; updated)."""
+    forwards: list[tuple[int, int]] = []
+    for j in range(1, max(step.accepted, default=0) + 1):
+        tokens = attending = 0
+        for request_id, accepted, pending, length in zip(step.request_ids, step.accepted, step.draft_pending,
+                                                         step.tokens):
+            if accepted < j:
+                continue
+            fed = pending + unseen.get(request_id, 0) if j == 1 else 1
+            tokens += fed
+            attending += attended(fed, length - fed + j - 1)  # its drafter's cache holds the rest
+        forwards.append((tokens, attending))
+    for request_id, accepted, pending in zip(step.request_ids, step.accepted, step.draft_pending):
+        unseen[request_id] = 0 if accepted else unseen.get(request_id, 0) + pending
+    return forwards
 
 
 def oracle(k8: Run, profile: CostProfile) -> Run:
@@ -233,19 +260,15 @@ def oracle(k8: Run, profile: CostProfile) -> Run:
     cost = CostModel(profile)
     predicted_k8 = predicted_oracle = 0.0
     drafted = 0
+    unseen: dict[str, int] = {}
     for step in k8.replay:
         verified = step.pending + step.admitted
         predicted_k8 += cost.predict(step.forwards, verified, step.attended).total
-        per_token = step.attended / max(verified, 1)  # attention's work per verified token, and per drafted row:
-        per_row = sum(a for _, a in step.forwards) / max(sum(t for t, _ in step.forwards), 1)
-        depth = max(step.accepted, default=0)
-        forwards = []
-        for j in range(1, depth + 1):
-            rows = sum(1 for a in step.accepted if a >= j)
-            forwards.append((rows, int(rows * per_row)))
+        per_token = step.attended / max(verified, 1)  # attention's work per verified token
+        forwards = oracle_forwards(step, unseen)
         drafted += sum(step.accepted)
         oracle_verified = step.pending + sum(step.accepted)
-        predicted_oracle += cost.predict(forwards, oracle_verified, int(oracle_verified * per_token)).total
+        predicted_oracle += cost.predict(forwards, oracle_verified, round(oracle_verified * per_token)).total
     seconds = k8.seconds * predicted_oracle / predicted_k8 if predicted_k8 else float("nan")
     return Run("oracle", k8.tokens, seconds, k8.steps, drafted, drafted,
                prefill_seconds=k8.prefill_seconds)  # the same prompts prefilled by the same target

@@ -1,0 +1,49 @@
+"""The adaptive benchmark's oracle replay (specav/bench/adaptive.py): what the oracle drafts."""
+
+import pytest
+
+from specav.bench.adaptive import Run, _Step, oracle, oracle_forwards
+from specav.types import attended
+from specav.verification.cost_model import CostCurve, CostProfile
+
+PROFILE = CostProfile(CostCurve.fit({1: 0.040, 8: 0.060, 64: 0.300}, 2e-6),
+                      CostCurve.fit({1: 0.010, 8: 0.020, 128: 0.200}, 1e-6))
+
+
+def k8_step(request_ids, accepted, draft_pending, tokens, target_pending=None) -> _Step:
+    """A static K=8 step as the engine records it: every request drafts 8 slots, its first forward
+    feeding its drafter's pending tokens."""
+    forwards = [(sum(draft_pending), sum(attended(p, n - p) for p, n in zip(draft_pending, tokens)))]
+    forwards += [(len(request_ids), sum(attended(1, n + j - 2) for n in tokens)) for j in range(2, 9)]
+    pending = len(request_ids) if target_pending is None else target_pending
+    return _Step(pending, 100 * (pending + 8 * len(request_ids)), list(accepted), forwards, 8 * len(request_ids),
+                 list(request_ids), list(draft_pending), list(tokens))
+
+
+def test_the_first_forward_feeds_the_prompt_and_every_token_not_drafted_since():
+    unseen: dict[str, int] = {}
+    # the prompt step: slot 1 rejected, so the oracle does not draft, and its drafter has not seen the prompt
+    assert oracle_forwards(k8_step(["a"], [0], [100], [100], 100), unseen) == []
+    assert unseen == {"a": 100}
+    # the next step drafts 2: the prompt and this step's pending token in one forward, then one row
+    forwards = oracle_forwards(k8_step(["a"], [2], [1], [101]), unseen)
+    assert forwards == [(101, attended(101, 0)), (1, attended(1, 101))]
+    assert unseen == {"a": 0}
+    # two requests: b is new and accepted 3, a accepted 1
+    forwards = oracle_forwards(k8_step(["a", "b"], [1, 3], [2, 50], [104, 50]), unseen)
+    assert forwards == [(52, attended(2, 102) + attended(50, 0)), (1, attended(1, 50)), (1, attended(1, 51))]
+
+
+def test_an_oracle_accepting_every_slot_costs_what_k8_measured():
+    """Every slot accepted: the oracle drafts and verifies what K=8 did, prompt catch-ups included."""
+    k8 = Run("static K=8", tokens=2 * 9 + 9, seconds=1.5, steps=3)
+    k8.replay = [k8_step(["a", "b"], [8, 8], [120, 80], [120, 80], 200), k8_step(["a", "b"], [8, 8], [2, 2], [129, 89]),
+                 k8_step(["c"], [8], [60], [60], 60)]
+    assert oracle(k8, PROFILE).seconds == pytest.approx(1.5)
+
+
+def test_an_oracle_whose_drafts_fail_drafts_nothing():
+    k8 = Run("static K=8", tokens=2, seconds=1.0, steps=2)
+    k8.replay = [k8_step(["a"], [0], [100], [100], 100), k8_step(["a"], [0], [1], [101])]
+    run = oracle(k8, PROFILE)
+    assert run.drafted == 0 and run.seconds < 1.0
