@@ -407,10 +407,10 @@ class AdaptivePlanner:
         cold_start = self._cold_start(requests, max_slots, shapes, rate, entry_row)
         if not cold_start and not any(self._known(self._history(r)) for r in requests):
             return _no_draft(b, price, shapes)  # nothing known, and learning would not pay: nothing to draw
-        explore = torch.rand(b, generator=self.generator, dtype=torch.float64) < \
-            self.exploration_probability(shapes)
-        explore &= torch.tensor([m > 0 and s.draft_pending <= _CAUGHT_UP for m, s in zip(max_slots, shapes)],
-                                dtype=torch.bool)
+        draws = torch.rand(b, generator=self.generator, dtype=torch.float64)  # drawn every step, used or not
+        eligible = [m > 0 and s.draft_pending <= _CAUGHT_UP for m, s in zip(max_slots, shapes)]
+        explore = (draws < self.exploration_probability(shapes)) & torch.tensor(eligible, dtype=torch.bool) \
+            if any(eligible) else torch.zeros(b, dtype=torch.bool)
         num_slots = [0] * b
         reasons = [""] * b
         forced: list[int] = []
@@ -711,8 +711,10 @@ class AdaptivePlanner:
         pending_attended = record.verify_attended * pending / max(record.verify_tokens, 1)
         target_only = (self.cost.plain_seconds(pending, pending_attended) + self.cost.overhead) / b
         drafted, admitted = record.drafts.num_drafted.tolist(), record.num_admitted.tolist()
-        row, slot = self._draft_row(max(1, sum(1 for d in drafted if d))), self.cost.verify_added(pending, 1)
-        weights = [d * row + a * slot for d, a in zip(drafted, admitted)]
+        weights = [0.0] * b
+        if any(drafted):
+            row, slot = self._draft_row(sum(1 for d in drafted if d)), self.cost.verify_added(pending, 1)
+            weights = [d * row + a * slot for d, a in zip(drafted, admitted)]
         total_weight = sum(weights)
         extra = record.times.total - b * target_only
         shares = [target_only + extra * (w / total_weight if total_weight > 0 else 1 / b) for w in weights]

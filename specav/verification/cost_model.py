@@ -218,20 +218,32 @@ class _Correction:
         self.shape = {kind: [0.0] * points for kind in kinds}  # log factor per kind and profiled point
         self.evidence = {kind: [0.0] * points for kind in kinds}  # decayed shares of the observations
         self.counts = {kind: [0] * points for kind in kinds}  # observations that moved each point
-        self.curves = {kind: curve for kind in kinds}  # the profiled curve times exp(shape), made monotone
+        self.curves = {kind: curve for kind in kinds}  # the profiled curve times exp(shape), made monotone (`curve`)
+        self._stale: set[str] = set()  # kinds whose shape moved since their curve was fitted
+
+    def curve(self, kind: str) -> CostCurve | None:
+        """The kind's corrected curve (the level aside), fitted when first asked for after its shape
+        moved: every observation moves the shapes of both kinds, and a step that drafts nothing
+        asks for one of them only."""
+        if kind in self._stale:
+            p = self.profiled
+            self.curves[kind] = CostCurve.fit(
+                {t: y * math.exp(f) for t, y, f in zip(p.tokens, p.seconds, self.shape[kind])}, p.per_context)
+            self._stale.discard(kind)
+        return self.curves[kind]
 
     def seconds(self, kind: str, tokens: float, attended: float = 0.0) -> float:
-        curve = self.curves[kind]
+        curve = self.curve(kind)
         return curve(tokens, attended) * math.exp(self.level) if curve is not None else 0.0
 
     def added(self, kind: str, tokens: float, more: float, attended: float = 0.0) -> float:
-        curve = self.curves[kind]
+        curve = self.curve(kind)
         return curve.added(tokens, more, attended) * math.exp(self.level) if curve is not None else 0.0
 
     def _shares(self, kind: str, tokens: float, predicted: float) -> list[tuple[int, float]]:
         """The profiled points a forward over `tokens` tokens falls between, with their shares of
         the `predicted` seconds."""
-        xs, ys = self.profiled.tokens, self.curves[kind].seconds
+        xs, ys = self.profiled.tokens, self.curve(kind).seconds
         if tokens <= xs[0] or tokens >= xs[-1]:
             j = 0 if tokens <= xs[0] else len(xs) - 1
             return [(j, ys[j] / predicted)] if tokens == xs[j] else [(j, 1.0)]
@@ -242,7 +254,7 @@ class _Correction:
     def observe(self, kind: str, forwards: Sequence[tuple[float, float]], seconds: float) -> None:
         """Learn from one measured stage of a `kind` of step: `forwards` [(tokens, attended), ...]
         took `seconds` in all."""
-        curve = self.curves[kind]
+        curve = self.curve(kind)
         if curve is None or not forwards or not (seconds > 0 and math.isfinite(seconds)):
             return
         predicted = sum(curve(t, a) for t, a in forwards)
@@ -269,10 +281,7 @@ class _Correction:
         for k, j in cells:  # kept centred: the move's common mode is the level's (no prediction changes)
             self.shape[k][j] += step.get(j, 0.0) * (k == kind) - common
         self.level += common
-        p = self.profiled
-        for k in {k for k, _ in cells}:  # (a kind nothing measured keeps the profiled curve)
-            self.curves[k] = CostCurve.fit({t: y * math.exp(f) for t, y, f in zip(p.tokens, p.seconds, self.shape[k])},
-                                           p.per_context)
+        self._stale.update(k for k, _ in cells)  # (a kind nothing measured keeps the profiled curve)
 
 
 class CostModel:
