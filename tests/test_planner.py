@@ -393,6 +393,31 @@ def test_a_no_draft_decision_is_valued_over_the_wait_it_commits_to():
     assert drafts(speedup=1.5, interval=64)
 
 
+def test_a_new_requests_wait_is_valued_as_if_it_were_like_the_traffic():
+    """Until its own steps are measured, a request's speed-up is expected to be the traffic's (the
+    population's requests' mean), less so with every step it measures; its price stays its own."""
+    p = planner(4)
+    request = requests(1)[0]
+    shapes = [RequestShape(1, 10)]
+
+    def drafts(traffic: float, measured: int) -> bool:
+        p.population = Population.of([[-6.0]], "earlier")
+        p.population.measured("earlier", traffic)
+        p.population.measured("never drafted", 9.0)  # not one of the population's requests: not counted
+        p.history[request.request_id] = type(p._history(request))(samples=BlockSamples.of([[-6.0]], 100.0),
+                                                                   interval=64, measured=measured)
+        return p.draft_plan([request], [4], shapes).num_slots == [4]
+
+    assert not drafts(traffic=1.0, measured=0)  # the traffic's drafting has not paid: the wait forgoes nothing
+    assert drafts(traffic=1.5, measured=0)  # a doubtful block drafts: requests like it have gained 1.5x
+    assert not drafts(traffic=1.5, measured=200)  # its own 200 steps measured 1x: the traffic no longer counts
+    assert p.population.speedup() == 1.5 and p.population.speedup(excluding="earlier") == 1.0
+    for i in range(8):  # eight later requests draft: "earlier" leaves the population, its speed-up with it
+        p.population.add(f"later {i}", [0.0])
+    assert "earlier" not in p.population.speedups and p.population.speedup() == 1.0
+    assert p.price([request], shapes) == pytest.approx(p.config.min_speedup * p.target_only_rate(shapes))
+
+
 def test_exploration_draws_come_from_the_planners_own_generator():
     p = planner(4, exploration=2.0, seed=7)
     p.population = Population.of([[0.0]])  # past the cold start (whose request's block is verified whatever the draw)

@@ -12,7 +12,7 @@ meant to never be slower. The speed-up is each request's own (an EMA over its st
 new request), averaged over the batch: every request must be served, so the time a step takes
 is worth what the requests in it could do with it, not what other traffic did (one global
 rate, lifted by a run of code, would price a prose request's drafts that beat plain decoding
-out). A request's share of a step's measured time is its target-only share plus the step's extra
+out; only the wait's value, below, expects a new request to be like the traffic). A request's share of a step's measured time is its target-only share plus the step's extra
 time split over the requests by the predicted cost of their slots.
 
 Rules (survival s_i = product of a request's confidences 1..i, architecture.md):
@@ -173,6 +173,7 @@ class Population:
     of the same command that read 1.23-1.32x in others: docs/adaptive.md)."""
 
     requests: dict[str, list[list[float]]] = field(default_factory=dict)  # oldest drafting first
+    speedups: dict[str, float] = field(default_factory=dict)  # of those requests, the latest measured speed-up
     _cache: dict[int, tuple[torch.Tensor, ...]] = field(default_factory=dict)  # per K: samples (below)
 
     @classmethod
@@ -190,8 +191,19 @@ class Population:
         blocks = self.requests.pop(request_id, [])  # re-inserted: the latest to draft
         self.requests[request_id] = (blocks + [list(block)])[-REQUEST_BLOCKS:]
         while len(self.requests) > POPULATION_REQUESTS:
-            del self.requests[next(iter(self.requests))]
+            self.speedups.pop(oldest := next(iter(self.requests)), None)
+            del self.requests[oldest]
         self._cache.clear()
+
+    def measured(self, request_id: str, speedup: float) -> None:
+        """Request `request_id`'s measured speed-up is now `speedup` (kept if it is one of the population's)."""
+        if request_id in self.requests:
+            self.speedups[request_id] = speedup
+
+    def speedup(self, excluding: str = "") -> float:
+        """The mean measured speed-up of the population's requests (but `excluding`); 1 with none."""
+        values = [v for r, v in self.speedups.items() if r != excluding]
+        return sum(values) / len(values) if values else 1.0
 
     @property
     def blocks(self) -> list[list[float]]:
@@ -258,6 +270,7 @@ class _History:
     interval: int = 1  # the wait after its next probe that does not pay
     probing: bool = False  # its next slot 1 is drafted whatever the rule says (after a wait)
     speedup: float = 1.0  # EMA of its measured rate / its target-only rate (the price of compute)
+    measured: int = 0  # decoding steps that EMA has measured
 
 
 def select_prefix(gains: Sequence[float], tokens: Sequence[int], committed_tokens: int, price: float,
@@ -574,9 +587,19 @@ class AdaptivePlanner:
         drafts turned to failing loses its speed-up as they fail). Valued on this step alone, one
         doubtful block of a code request (its predicted slot 1 from ~0.95 to ~0.75) stopped it for
         8 steps (a per-step trace of code at concurrency 1); measured end to end, once probes ran,
-        its effect was within the noise (docs/adaptive.md, at 6c7b781)."""
+        its effect was within the noise (docs/adaptive.md, at 6c7b781).
+
+        A new request's speed-up is not yet measured: until its own steps are, it is expected to be
+        like the traffic's (the population's requests' mean measured speed-up), its EMA as if started
+        there (the traffic's weight falls by the EMA's decay with each step it measures). The price
+        of compute still starts at 1 for it (`price`): only the wait is valued from the traffic. With
+        the EMA's 1 alone, a code request whose first block (an answer's first token) failed was
+        stopped for 8 steps at its second, its probes then unpaid for the rest of the request: in
+        one round of code at concurrency 1, four of eight requests decoded 118 of 128 tokens
+        target-only (docs/adaptive.md, "Zen 4 EPYC, commit 176795f")."""
         h = self._history(request)
-        return h.interval * max(0.0, h.speedup - self.config.min_speedup)
+        traffic = (1.0 - self.rate_alpha) ** h.measured * (self.population.speedup(request.request_id) - 1.0)
+        return h.interval * max(0.0, h.speedup + traffic - self.config.min_speedup)
 
     def best_blocks(self, expected: list[list[float]], price: float, verify_tokens: int, draft_row: float,
                     slot_attended: Sequence[int]) -> list[float]:
@@ -685,9 +708,13 @@ class AdaptivePlanner:
             for request, speedup in zip(record.requests, self._speedups(record)):
                 h = self._history(request)
                 h.speedup += self.rate_alpha * (speedup - h.speedup)
+                h.measured += 1
+                self.population.measured(request.request_id, h.speedup)
+        num_drafted = record.drafts.num_drafted.tolist()
+        if not any(num_drafted):
+            return  # (nothing to learn of blocks or probes)
         features = record.scores.features.tolist()  # [B][K]
-        for b, request in enumerate(record.requests):
-            drafted = int(record.drafts.num_drafted[b])
+        for b, (request, drafted) in enumerate(zip(record.requests, num_drafted)):
             h = self._history(request)
             if drafted:
                 block = [f for f in features[b][:drafted] if not math.isnan(f)]
