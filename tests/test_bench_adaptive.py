@@ -47,3 +47,35 @@ def test_an_oracle_whose_drafts_fail_drafts_nothing():
     k8.replay = [k8_step(["a"], [0], [100], [100], 100), k8_step(["a"], [0], [1], [101])]
     run = oracle(k8, PROFILE)
     assert run.drafted == 0 and run.seconds < 1.0
+
+
+def test_the_trace_writes_each_requests_decisions_and_counts_its_drafting_steps(tmp_path):
+    import json
+    from types import SimpleNamespace
+
+    import torch
+
+    from specav.bench.adaptive import Trace
+    from specav.config import SamplingParams
+    from specav.request import Request
+    from specav.types import StageTimes
+
+    def record(step, drafted, reason, prefill=0):
+        return SimpleNamespace(step=step, requests=[request], drafts=SimpleNamespace(num_drafted=torch.tensor([drafted])),
+                               num_admitted=torch.tensor([drafted]), num_accepted=torch.tensor([min(drafted, 1)]),
+                               draft_reasons=(reason,), times=StageTimes(0.01, 0.03, 0.04), prefill_tokens=prefill)
+
+    path = tmp_path / "trace.jsonl"
+    trace = Trace(str(path))
+    trace.start("code", 1, 0)
+    request = Request([1, 2, 3], SamplingParams(), request_id="a")
+    trace.listen(record(0, 0, "", prefill=3))  # its prefill: not a decoding step
+    request.output_ids = [5]
+    trace.listen(record(1, 2, "rule"))
+    trace.listen(record(2, 0, ""))
+    trace.listen(record(3, 0, ""))
+    assert trace.summary().endswith("a: 1/2")
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert len(lines) == 4
+    assert lines[1] == {"workload": "code", "concurrency": 1, "round": 0, "step": 1, "request": "a", "output": 1,
+                        "reason": "rule", "drafted": 2, "admitted": 2, "accepted": 1, "seconds": 0.04}

@@ -3,6 +3,7 @@
     python -m specav.bench.adaptive [--workloads code,chat,prose] [--concurrency 1,4,8] [--requests 8]
                                     [--max-tokens 128] [--rounds 1] [--ks 1,2,4,8] [--av-k 8] [--threads 2]
                                     [--av-variant probe_share=0.01 ...] [--plot docs/adaptive.png]
+                                    [--trace av-trace.jsonl]
 
 For each workload and concurrency C, the same `--requests` prompts (the workload's first ones,
 chat template applied) run to `--max-tokens` tokens each (EOS ignored, so every method does the
@@ -40,14 +41,17 @@ slots drafted / verified per step, requests that skipped drafting, the seconds o
 prefilled prompts, and the decoding speed against target-only's (target-only's wall time outside
 prefill steps over the method's: every method prefills the same prompts with the same target, so
 prefill's own noise, which can be a third of a cell's time, drops out); then AV's goals (issue 11)
-met or missed, and the share of AV's step time spent in its planner, estimator and cost model.
+met or missed, and the share of AV's step time spent in its planner, estimator and cost model;
+with `--trace`, each AV request's decoding steps that drafted and that did not (`Trace`).
 This program owns no engine logic.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
+import json
 import time
 from dataclasses import dataclass, field, fields
 
@@ -146,8 +150,41 @@ def build_engine(target, drafter, k: int, adaptive: bool, concurrency: int, prof
 Method = tuple[str, int, bool, AdaptiveConfig]  # name, K (0: no drafter), adaptive, AV's config
 
 
+class Trace:
+    """`--trace`: AV's decisions, one JSON line per step and request (its cell, the request, its
+    tokens so far, why it drafted, what it drafted, had admitted and accepted, the step's seconds),
+    and per cell each request's steps that drafted and that did not."""
+
+    def __init__(self, path: str) -> None:
+        self.file = open(path, "w")
+        self.cell: dict[str, object] = {}
+        self.steps: dict[str, collections.Counter] = {}  # request -> {"drafted": n, "not": n}
+
+    def start(self, workload: str, concurrency: int, round_: int) -> None:
+        self.cell = {"workload": workload, "concurrency": concurrency, "round": round_}
+
+    def listen(self, record: StepRecord) -> None:
+        drafted, admitted = record.drafts.num_drafted.tolist(), record.num_admitted.tolist()
+        for b, request in enumerate(record.requests):
+            reason = record.draft_reasons[b] if record.draft_reasons else ""
+            self.file.write(json.dumps({**self.cell, "step": record.step, "request": request.request_id,
+                                        "output": len(request.output_ids), "reason": reason,
+                                        "drafted": drafted[b], "admitted": admitted[b],
+                                        "accepted": int(record.num_accepted[b]),
+                                        "seconds": round(record.times.total, 5)}) + "\n")
+            if not record.prefill_tokens or request.output_ids:
+                self.steps.setdefault(request.request_id, collections.Counter())["drafted" if drafted[b] else "not"] += 1
+
+    def summary(self) -> str:
+        """Each request's decoding steps that drafted / did not, since the last summary."""
+        lines = " ".join(f"{r}: {c['drafted']}/{c['not']}" for r, c in self.steps.items())
+        self.steps = {}
+        self.file.flush()
+        return f"{'':<12} AV steps drafting / not, per request: {lines}"
+
+
 def run_cell(target, drafter, methods: list[Method], prompts: list[list[int]], max_tokens: int,
-             concurrency: int, profile: CostProfile, first_turn: int = 0) -> dict[str, Run]:
+             concurrency: int, profile: CostProfile, first_turn: int = 0, trace: Trace | None = None) -> dict[str, Run]:
     """Every method on the same prompts, each in its own engine, the engines stepping in turn (the
     order reversed every step, the first step in the order listed or, with an odd `first_turn`,
     reversed): a method's time is the sum of its own steps, each timed alone, so the machine's
@@ -156,6 +193,8 @@ def run_cell(target, drafter, methods: list[Method], prompts: list[list[int]], m
     engines = []
     for name, k, adaptive, config in methods:
         engine, result, prefilled = _instrumented(target, drafter, name, k, adaptive, concurrency, profile, config)
+        if trace is not None and name == "AV":
+            engine.step_listeners.append(trace.listen)
         for prompt, sp in zip(prompts, params):
             engine.add_request(prompt, sp)
         engines.append((engine, result, prefilled))
@@ -354,6 +393,9 @@ def main() -> None:
     parser.add_argument("--av-variant", action="append", default=[], metavar="FIELD=VALUE[,FIELD=VALUE]",
                         help="also run AV with these AdaptiveConfig fields changed (repeatable)")
     parser.add_argument("--plot", default=None, help="write the bar chart here (PNG)")
+    parser.add_argument("--trace", default=None, metavar="PATH",
+                        help="write AV's decisions here (JSON lines, one per step and request), and print each "
+                             "request's steps that drafted and that did not per cell")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     ks = [] if args.ks == "none" else [int(k) for k in args.ks.split(",")]
@@ -384,16 +426,21 @@ def main() -> None:
     print(f"{'work':<6} {'conc':>4}  {'method':<12} {'tok/s':>8} {'vs T-o':>8} {'vs best':>8} {'vs orac':>8} "
           f"{'tok/step':>8} {'drft/st':>8} {'verf/st':>8} {'skipped':>7} {'prefill':>8} {'dec/T-o':>8}")
     results: dict[tuple[str, int], dict[str, Run]] = {}
+    trace = Trace(args.trace) if args.trace else None
     for workload, prompts in workloads.items():
         for concurrency in concurrencies:
             cell: dict[str, Run] = {}
             for round_ in range(args.rounds):
-                runs = run_cell(target, drafter, methods, prompts, args.max_tokens, concurrency, profile, round_)
+                if trace is not None:
+                    trace.start(workload, concurrency, round_)
+                runs = run_cell(target, drafter, methods, prompts, args.max_tokens, concurrency, profile, round_, trace)
                 for name, r in runs.items():
                     cell[name] = cell[name].merge(r) if name in cell else r
             cell |= {"oracle": oracle(cell["static K=8"], profile)} if ks else {}
             results[(workload, concurrency)] = cell
             print_cell(workload, concurrency, cell)
+            if trace is not None:
+                print(trace.summary(), flush=True)
     if args.plot:
         plot(results, args.plot)
         print(f"plot: {args.plot}")

@@ -596,7 +596,7 @@ class AdaptivePlanner:
         the EMA's 1 alone, a code request whose first block (an answer's first token) failed was
         stopped for 8 steps at its second, its probes then unpaid for the rest of the request: in
         one round of code at concurrency 1, four of eight requests decoded 118 of 128 tokens
-        target-only (docs/adaptive.md, "Zen 4 EPYC, commit 176795f")."""
+        target-only (docs/adaptive.md, "Zen 4 EPYC, commit 54b0e80")."""
         h = self._history(request)
         traffic = (1.0 - self.rate_alpha) ** h.measured * (self.population.speedup(request.request_id) - 1.0)
         return h.interval * max(0.0, h.speedup + traffic - self.config.min_speedup)
