@@ -79,3 +79,35 @@ def test_the_trace_writes_each_requests_decisions_and_counts_its_drafting_steps(
     assert len(lines) == 4
     assert lines[1] == {"workload": "code", "concurrency": 1, "round": 0, "step": 1, "request": "a", "output": 1,
                         "reason": "rule", "drafted": 2, "admitted": 2, "accepted": 1, "seconds": 0.04}
+
+
+def test_the_trace_attached_to_an_adaptive_engine_writes_its_planners_and_estimators_state(tmp_path):
+    import json
+
+    from specav.bench.adaptive import Trace
+    from specav.config import EngineConfig, SamplingParams, SpeculativeConfig
+    from specav.drafting import DraftModelDrafter
+    from specav.engine.engine import Engine
+    from tests.tiny_models import tiny_pair, tiny_tokenizer
+
+    target, drafter = tiny_pair(noise=0.08)
+    cheap = CostProfile(CostCurve.fit({1: 1.0, 64: 1.63}), CostCurve.fit({1: 0.01, 128: 0.5}))  # drafting pays
+    spec = SpeculativeConfig(num_speculative_tokens=4, enable_adaptive_verification=True)
+    engine = Engine(target, tiny_tokenizer(target.vocab_size), DraftModelDrafter(drafter),
+                    EngineConfig(speculative=spec, max_batch_size=2), cost_profile=cheap)
+    path = tmp_path / "trace.jsonl"
+    trace = Trace(str(path))
+    trace.start("code", 2, 0)
+    trace.attach(engine)
+    batches = []
+    engine.step_listeners.append(lambda record: batches.append([r.request_id for r in record.requests]))
+    engine.generate([[3, 4, 5], [9, 8, 7, 6]], SamplingParams(temperature=0, max_tokens=40))
+    trace.summary()
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [line["request"] for line in lines] == [r for batch in batches for r in batch]  # a line per request-step
+    last = lines[-1]
+    assert {"wait", "interval", "probing", "speedup", "budget_ms", "population", "slope", "intercepts",
+            "changes"} <= last.keys()
+    assert len(last["intercepts"]) == 4 and last["slope"] == pytest.approx(float(engine.scorer.slope), abs=1e-3)
+    assert any(line["drafted"] for line in lines)  # drafting paid, so the trace saw drafts and their reasons
+    assert {line["reason"] for line in lines if line["drafted"]} <= {"cold start", "rule", "probe", "explore"}

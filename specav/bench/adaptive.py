@@ -152,8 +152,9 @@ Method = tuple[str, int, bool, AdaptiveConfig]  # name, K (0: no drafter), adapt
 
 class Trace:
     """`--trace`: AV's decisions, one JSON line per step and request (its cell, the request, its
-    tokens so far, why it drafted, what it drafted, had admitted and accepted, the step's seconds),
-    and per cell each request's steps that drafted and that did not."""
+    tokens so far, why it drafted, what it drafted, had admitted and accepted, the step's seconds,
+    and, after the step, what the adaptive planner holds of the request and the estimator's fit:
+    `state`), and per cell each request's steps that drafted and that did not."""
 
     def __init__(self, path: str) -> None:
         self.file = open(path, "w")
@@ -163,17 +164,41 @@ class Trace:
     def start(self, workload: str, concurrency: int, round_: int) -> None:
         self.cell = {"workload": workload, "concurrency": concurrency, "round": round_}
 
-    def listen(self, record: StepRecord) -> None:
+    def attach(self, engine: Engine) -> None:
+        engine.step_listeners.append(lambda record: self.listen(record, engine))
+
+    def listen(self, record: StepRecord, engine: Engine | None = None) -> None:
         drafted, admitted = record.drafts.num_drafted.tolist(), record.num_admitted.tolist()
         for b, request in enumerate(record.requests):
             reason = record.draft_reasons[b] if record.draft_reasons else ""
-            self.file.write(json.dumps({**self.cell, "step": record.step, "request": request.request_id,
-                                        "output": len(request.output_ids), "reason": reason,
-                                        "drafted": drafted[b], "admitted": admitted[b],
-                                        "accepted": int(record.num_accepted[b]),
-                                        "seconds": round(record.times.total, 5)}) + "\n")
+            line = {**self.cell, "step": record.step, "request": request.request_id,
+                    "output": len(request.output_ids), "reason": reason, "drafted": drafted[b],
+                    "admitted": admitted[b], "accepted": int(record.num_accepted[b]),
+                    "seconds": round(record.times.total, 5)}
+            if engine is not None:
+                line.update(self.state(engine, request.request_id))
+            self.file.write(json.dumps(line) + "\n")
             if not record.prefill_tokens or request.output_ids:
                 self.steps.setdefault(request.request_id, collections.Counter())["drafted" if drafted[b] else "not"] += 1
+
+    @staticmethod
+    def state(engine: Engine, request_id: str) -> dict[str, object]:
+        """What decides the request's next steps: its wait, probe interval and whether a probe is
+        due, its measured speed-up, the probe budget (ms), the traffic's requests, and the
+        estimator's slope, intercepts and detected changes (where the engine has them)."""
+        out: dict[str, object] = {}
+        planner = engine.planner
+        h = getattr(planner, "history", {}).get(request_id)
+        if h is not None:
+            out.update(wait=h.wait, interval=h.interval, probing=h.probing, speedup=round(h.speedup, 3))
+        if hasattr(planner, "probe_budget"):
+            out.update(budget_ms=round(1e3 * planner.probe_budget, 1), population=len(planner.population.requests))
+        scorer = engine.scorer
+        if scorer is not None and hasattr(scorer, "slope"):
+            out.update(slope=round(float(scorer.slope), 3),
+                       intercepts=[round(float(v), 2) for v in scorer.intercepts.tolist()],
+                       changes=scorer.num_changes)
+        return out
 
     def summary(self) -> str:
         """Each request's decoding steps that drafted / did not, since the last summary."""
@@ -194,7 +219,7 @@ def run_cell(target, drafter, methods: list[Method], prompts: list[list[int]], m
     for name, k, adaptive, config in methods:
         engine, result, prefilled = _instrumented(target, drafter, name, k, adaptive, concurrency, profile, config)
         if trace is not None and name == "AV":
-            engine.step_listeners.append(trace.listen)
+            trace.attach(engine)
         for prompt, sp in zip(prompts, params):
             engine.add_request(prompt, sp)
         engines.append((engine, result, prefilled))
