@@ -85,16 +85,12 @@ def test_the_trace_attached_to_an_adaptive_engine_writes_its_planners_and_estima
     import json
 
     from specav.bench.adaptive import Trace
-    from specav.config import EngineConfig, SamplingParams, SpeculativeConfig
+    from specav.config import SamplingParams
     from specav.drafting import DraftModelDrafter
-    from specav.engine.engine import Engine
-    from tests.tiny_models import tiny_pair, tiny_tokenizer
+    from tests.tiny_models import adaptive_engine, cheap_drafting_profile, tiny_pair
 
     target, drafter = tiny_pair(noise=0.08)
-    cheap = CostProfile(CostCurve.fit({1: 1.0, 64: 1.63}), CostCurve.fit({1: 0.01, 128: 0.5}))  # drafting pays
-    spec = SpeculativeConfig(num_speculative_tokens=4, enable_adaptive_verification=True)
-    engine = Engine(target, tiny_tokenizer(target.vocab_size), DraftModelDrafter(drafter),
-                    EngineConfig(speculative=spec, max_batch_size=2), cost_profile=cheap)
+    engine = adaptive_engine(target, DraftModelDrafter(drafter), cheap_drafting_profile(), max_batch_size=2)
     path = tmp_path / "trace.jsonl"
     trace = Trace(str(path))
     trace.start("code", 2, 0)

@@ -13,8 +13,7 @@ from specav.drafting import DeferredDrafter, DraftModelDrafter
 from specav.engine.engine import Engine
 from specav.request import Request
 from specav.types import AcceptResult
-from specav.verification.cost_model import CostCurve, CostProfile
-from tests.tiny_models import make_engine, tiny_pair, tiny_tokenizer
+from tests.tiny_models import adaptive_engine, cheap_drafting_profile, make_engine, tiny_pair
 
 PARAMS = SamplingParams(temperature=0.8, top_k=20, max_tokens=40, seed=7)
 
@@ -55,23 +54,12 @@ def test_it_loads_once_at_the_first_drafted_slot_and_drafts_what_an_eager_drafte
     assert again.setup_seconds == 0.0 and loads == [1]
 
 
-def _cheap_drafting_profile() -> CostProfile:
-    """A profile where drafting pays at once: a target token 1 s, a verified slot 0.01 s, a drafter row 0.01 s."""
-    return CostProfile(CostCurve.fit({1: 1.0, 64: 1.63}), CostCurve.fit({1: 0.01, 128: 0.5}))
-
-
-def _adaptive_engine(target, drafter, profile: CostProfile) -> Engine:
-    spec = SpeculativeConfig(num_speculative_tokens=4, enable_adaptive_verification=True)
-    return Engine(target, tiny_tokenizer(target.vocab_size), drafter, EngineConfig(speculative=spec, max_batch_size=4),
-                  cost_profile=profile)
-
-
 def test_a_drafter_whose_load_no_draft_repays_is_never_loaded():
     target, model = tiny_pair(noise=0.08)
     loads = []
     deferred = DeferredDrafter(lambda: loads.append(1) or DraftModelDrafter(model), "draft_model",
                                model.vocab_size, expected_seconds=1e6)
-    engine = _adaptive_engine(target, deferred, _cheap_drafting_profile())
+    engine = adaptive_engine(target, deferred, cheap_drafting_profile())
     assert engine.planner.cost.draft_setup == 1e6
     greedy = SamplingParams(temperature=0, max_tokens=30)
     prompts = [[3, 4, 5], [9, 8, 7, 6]]
@@ -89,7 +77,7 @@ def test_the_load_is_paid_at_the_first_draft_and_counted_in_no_stage():
         return DraftModelDrafter(model)
 
     deferred = DeferredDrafter(slow_load, "draft_model", model.vocab_size, expected_seconds=0.0)
-    engine = _adaptive_engine(target, deferred, _cheap_drafting_profile())
+    engine = adaptive_engine(target, deferred, cheap_drafting_profile())
     records = []
     engine.step_listeners.append(records.append)
     greedy = SamplingParams(temperature=0, max_tokens=30)

@@ -207,6 +207,9 @@ class Trace:
         self.file.flush()
         return f"{'':<12} AV steps drafting / not, per request: {lines}"
 
+    def close(self) -> None:
+        self.file.close()
+
 
 def run_cell(target, drafter, methods: list[Method], prompts: list[list[int]], max_tokens: int,
              concurrency: int, profile: CostProfile, first_turn: int = 0, trace: Trace | None = None) -> dict[str, Run]:
@@ -466,6 +469,8 @@ def main() -> None:
             print_cell(workload, concurrency, cell)
             if trace is not None:
                 print(trace.summary(), flush=True)
+    if trace is not None:
+        trace.close()
     if args.plot:
         plot(results, args.plot)
         print(f"plot: {args.plot}")
