@@ -211,6 +211,11 @@ class EstimatorConfig:
     change_z (pooled): when the labels of an interval contradict the pooled fit, beyond
     chi^2 dof + change_z * sqrt(2 dof) for the per-position calibration statistic, the pooled
     statistics are dropped before the step (a detected change); inf turns the test off.
+    trust_radius: a Newton step is scaled down, before damping, so that it moves the logits of
+    the slots its statistics hold by at most this much in p(1 - p)-weighted root mean square
+    (the region where the quadratic model of the log-likelihood holds); inf turns it off.
+    slope_factor: ... and so that omega changes by at most this factor either way (the weighted
+    logit change cannot see sure slots, whose weight is ~0); inf turns it off.
     damping_n0: omega moves by n / (n + n0) of its Newton step, beta_i by n_i / (n_i + n0).
     ridge: added to the Newton system's diagonal only. feature_clamp: f clamped to +/- this.
     init_slope, init_intercept: the parameters before any label (a loaded state replaces
@@ -227,6 +232,8 @@ class EstimatorConfig:
     half_life: float = 4000.0
     cold_start_labels: int = 16
     change_z: float = 6.0
+    trust_radius: float = 1.0
+    slope_factor: float = 2.0
     damping_n0: float = 50.0
     ridge: float = 1e-3
     feature_clamp: float = 40.0
@@ -247,6 +254,9 @@ class EstimatorConfig:
                and self.cold_start_labels >= 0, w, "cold_start_labels", self.cold_start_labels,
                "an integer >= 0 (0: off)")
         _check(positive(self.change_z), w, "change_z", self.change_z, "a number > 0 (inf: off)")
+        _check(positive(self.trust_radius), w, "trust_radius", self.trust_radius, "a number > 0 (inf: off)")
+        _check(isinstance(self.slope_factor, (int, float)) and not isinstance(self.slope_factor, bool)
+               and self.slope_factor > 1, w, "slope_factor", self.slope_factor, "a number > 1 (inf: off)")
         _check(self.damping_n0 >= 0, w, "damping_n0", self.damping_n0, "a number >= 0")
         _check(self.ridge > 0, w, "ridge", self.ridge, "a number > 0")
         _check(self.feature_clamp > 0, w, "feature_clamp", self.feature_clamp, "a number > 0")
@@ -257,8 +267,9 @@ class EstimatorConfig:
 
     @classmethod
     def seed_windowed(cls, **overrides: Any) -> "EstimatorConfig":
-        """The seed's estimator: windowed, no cold-start schedule, starting at raw q_max."""
-        values = {"mode": "windowed", "cold_start_labels": 0, "init_slope": 1.0,
+        """The seed's estimator: windowed, no cold-start schedule, no trust region, starting at raw q_max."""
+        values = {"mode": "windowed", "cold_start_labels": 0, "trust_radius": math.inf,
+                  "slope_factor": math.inf, "init_slope": 1.0,
                   "init_intercept": 0.0, **overrides}
         return cls(**values)
 

@@ -51,6 +51,7 @@ def test_an_oracle_whose_drafts_fail_drafts_nothing():
 
 def test_the_trace_writes_each_requests_decisions_and_counts_its_drafting_steps(tmp_path):
     import json
+    import math
     from types import SimpleNamespace
 
     import torch
@@ -61,7 +62,9 @@ def test_the_trace_writes_each_requests_decisions_and_counts_its_drafting_steps(
     from specav.types import StageTimes
 
     def record(step, drafted, reason, prefill=0):
+        features = torch.tensor([[2.5, -0.25, math.nan, math.nan]])
         return SimpleNamespace(step=step, requests=[request], drafts=SimpleNamespace(num_drafted=torch.tensor([drafted])),
+                               scores=SimpleNamespace(features=features),
                                num_admitted=torch.tensor([drafted]), num_accepted=torch.tensor([min(drafted, 1)]),
                                draft_reasons=(reason,), times=StageTimes(0.01, 0.03, 0.04), prefill_tokens=prefill)
 
@@ -77,8 +80,10 @@ def test_the_trace_writes_each_requests_decisions_and_counts_its_drafting_steps(
     assert trace.summary().endswith("a: 1/2")
     lines = [json.loads(line) for line in path.read_text().splitlines()]
     assert len(lines) == 4
-    assert lines[1] == {"workload": "code", "concurrency": 1, "round": 0, "step": 1, "request": "a", "output": 1,
-                        "reason": "rule", "drafted": 2, "admitted": 2, "accepted": 1, "seconds": 0.04}
+    assert lines[1] == {"workload": "code", "concurrency": 1, "round": 0, "method": "AV", "step": 1, "request": "a",
+                        "output": 1, "reason": "rule", "drafted": 2, "admitted": 2, "accepted": 1,
+                        "features": [2.5, -0.25], "seconds": 0.04}
+    assert lines[2]["features"] == []
 
 
 def test_the_trace_attached_to_an_adaptive_engine_writes_its_planners_and_estimators_state(tmp_path):
@@ -97,7 +102,7 @@ def test_the_trace_attached_to_an_adaptive_engine_writes_its_planners_and_estima
     trace.attach(engine)
     batches = []
     engine.step_listeners.append(lambda record: batches.append([r.request_id for r in record.requests]))
-    engine.generate([[3, 4, 5], [9, 8, 7, 6]], SamplingParams(temperature=0, max_tokens=40))
+    engine.generate([[3, 4, 5], [9, 8, 7, 6]], SamplingParams(temperature=0, max_tokens=120))
     trace.summary()
     lines = [json.loads(line) for line in path.read_text().splitlines()]
     assert [line["request"] for line in lines] == [r for batch in batches for r in batch]  # a line per request-step
@@ -107,3 +112,28 @@ def test_the_trace_attached_to_an_adaptive_engine_writes_its_planners_and_estima
     assert len(last["intercepts"]) == 4 and last["slope"] == pytest.approx(float(engine.scorer.slope), abs=1e-3)
     assert any(line["drafted"] for line in lines)  # drafting paid, so the trace saw drafts and their reasons
     assert {line["reason"] for line in lines if line["drafted"]} <= {"cold start", "rule", "probe", "explore"}
+
+    # what the estimator observed: replayed from the trace, the same fit as the engine's own estimator
+    from specav.bench.estimator_trace import read_streams, replay
+
+    (key, stream), = read_streams(str(path), num_slots=4).items()
+    assert key == ("code", 2, 0, "AV") and len(stream) == engine.stats.steps
+    assert engine.scorer.num_refits >= 1 and float(engine.scorer.slope) != 1.0  # a fit to reproduce
+    replayed = replay(stream, engine.scorer.config, 0.0)
+    assert replayed.slope == pytest.approx(float(engine.scorer.slope), abs=1e-3)
+
+
+def test_a_variant_changes_adaptive_and_estimator_fields():
+    import argparse
+    import math
+
+    from specav.bench.adaptive import _variant
+    from specav.config import AdaptiveConfig, EstimatorConfig
+
+    parser = argparse.ArgumentParser()
+    adaptive, estimator = _variant(parser, "probe_share=0.005,estimator.trust_radius=inf,estimator.change_z=4")
+    assert adaptive == AdaptiveConfig(probe_share=0.005)
+    assert estimator == EstimatorConfig(trust_radius=math.inf, change_z=4.0)
+    for bad in ("estimator.nope=1", "probe_share", "estimator.trust_radius=-1"):
+        with pytest.raises(SystemExit):
+            _variant(parser, bad)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -23,7 +24,7 @@ from specav.acceptance import (
     newton_step,
     survival,
 )
-from specav.acceptance.estimator import corrected
+from specav.acceptance.estimator import _STATS, corrected, logit_change
 from specav.config import ConfigError, EstimatorConfig
 
 TRUE_SLOPE = 0.6
@@ -282,7 +283,8 @@ def raw_newton(est: OnlineAcceptanceEstimator, steps: list[Step], ridge: float) 
 @pytest.mark.parametrize("mode", sorted(MODES))
 def test_damping_scales_the_newton_step(mode):
     rng = np.random.default_rng(11)
-    config = mode_config(mode, refit_interval=10_000, cold_start_labels=0, damping_n0=50.0)
+    config = mode_config(mode, refit_interval=10_000, cold_start_labels=0, damping_n0=50.0, trust_radius=math.inf,
+                         slope_factor=math.inf)
     est = OnlineAcceptanceEstimator(K, config)
     steps = [draw_step(rng) for _ in range(6)]
     for s in steps:
@@ -332,7 +334,7 @@ def test_a_position_with_few_labels_moves_less_but_moves():
 @pytest.mark.parametrize("mode", sorted(MODES))
 def test_a_step_that_would_make_the_slope_negative_is_skipped(mode):
     est = OnlineAcceptanceEstimator(1, mode_config(mode, refit_interval=10_000, cold_start_labels=0,
-                                                   init_slope=0.01))
+                                                   init_slope=0.01, trust_radius=math.inf, slope_factor=math.inf))
     f = torch.linspace(-5, 5, 400).unsqueeze(1)
     accepted = (f[:, 0] < 0).long()  # confident slots are the rejected ones
     est.observe(f, torch.ones(400, dtype=torch.long), accepted)
@@ -694,3 +696,112 @@ def test_make_scorer_prefers_the_drafters_head():
     assert make_scorer(4, head=head) is head
     with pytest.raises(TypeError, match="Scorer protocol"):
         make_scorer(4, head=object())
+
+
+# ---- the trust region ----------------------------------------------------------------------
+
+def pending_statistics(est: OnlineAcceptanceEstimator) -> torch.Tensor:
+    return torch.stack([est.statistics[name] for name in _STATS])
+
+
+def sure_slots_and_one_rejection(est: OnlineAcceptanceEstimator, sure: int = 60) -> None:
+    """Code-like labels: slot 1 sure (logit(q_max) 12) and accepted `sure` times, rejected once,
+    and a few unsure slots (logit(q_max) 0), half accepted."""
+    one = lambda f, accepted: est.observe(torch.tensor([[f] + [math.nan] * (K - 1)]), torch.tensor([1]),
+                                          torch.tensor([accepted]))
+    for _ in range(sure):
+        one(12.0, 1)
+    one(12.0, 0)
+    for i in range(10):
+        one(0.0, i % 2)
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+@pytest.mark.parametrize("radius, factor", [(1.0, math.inf), (math.inf, 2.0), (1.0, 2.0)])
+def test_the_trust_region_bounds_the_step(mode, radius, factor):
+    config = mode_config(mode, refit_interval=10_000, cold_start_labels=0, damping_n0=0.0,
+                         trust_radius=radius, slope_factor=factor)
+    est = OnlineAcceptanceEstimator(K, config)
+    sure_slots_and_one_rejection(est)
+    stats = pending_statistics(est)
+    result = est.refit()
+    # the sure slots' curvature is ~0: the quadratic model asks for omega < 0 (the MLE of these
+    # labels is ~0.34: sigmoid(12 omega) = 60/61 with beta_1 = 0 from the unsure slots)
+    assert result.newton_slope < -1.0
+    asked = logit_change(stats, result.newton_slope, result.newton_intercepts)
+    assert asked > 1.0
+    if not math.isfinite(factor):  # the radius alone lets omega go below 0: the step is skipped
+        assert result.outcome is RefitOutcome.NEGATIVE_SLOPE and est.slope == 1.0
+        return
+    assert result.applied
+    scale = result.delta_slope / result.newton_slope  # the same direction, shortened
+    np.testing.assert_allclose(result.delta_intercepts.numpy(), result.newton_intercepts.numpy() * scale, rtol=1e-9)
+    assert logit_change(stats, result.delta_slope, result.delta_intercepts) <= radius * (1 + 1e-9)
+    assert est.slope == pytest.approx(0.5, rel=1e-9)  # omega halves at most (the bound that binds here)
+    assert scale == pytest.approx(min(radius / asked, -0.5 / result.newton_slope), rel=1e-9)
+
+
+def test_without_the_trust_region_the_whole_step_is_taken():
+    def fitted(radius: float, factor: float):
+        config = EstimatorConfig(refit_interval=10_000, cold_start_labels=0, damping_n0=0.0, trust_radius=radius,
+                                 slope_factor=factor, init_slope=0.1)
+        est = OnlineAcceptanceEstimator(K, config)
+        f = torch.full((40, K), math.nan)
+        f[:, 0] = torch.linspace(-3, 3, 40)
+        est.observe(f, torch.ones(40, dtype=torch.long), (f[:, 0] > 0).long())  # separable: omega grows
+        return est.refit(), est
+
+    whole, _ = fitted(math.inf, math.inf)
+    assert whole.applied and whole.delta_slope == whole.newton_slope and whole.newton_slope > 0.1
+    bounded, est = fitted(1.0, 2.0)
+    assert bounded.newton_slope == whole.newton_slope and 0 < bounded.delta_slope < whole.delta_slope
+    assert est.slope <= 0.2 + 1e-12
+    seed = EstimatorConfig.seed_windowed()
+    assert seed.trust_radius == math.inf and seed.slope_factor == math.inf
+
+
+def test_a_step_inside_the_trust_region_is_unchanged():
+    rng = np.random.default_rng(5)
+    config = EstimatorConfig(refit_interval=10_000, cold_start_labels=0, damping_n0=0.0, trust_radius=1.0,
+                             init_slope=TRUE_SLOPE, init_intercept=0.3)
+    est = OnlineAcceptanceEstimator(K, config)
+    for _ in range(20):
+        observe(est, draw_step(rng))
+    stats = pending_statistics(est)
+    result = est.refit()
+    assert logit_change(stats, result.newton_slope, result.newton_intercepts) < 1.0
+    assert result.delta_slope == pytest.approx(result.newton_slope, rel=1e-12)
+    np.testing.assert_allclose(result.delta_intercepts.numpy(), result.newton_intercepts.numpy(), rtol=1e-12)
+
+
+def test_the_trust_region_is_validated():
+    with pytest.raises(ConfigError, match="trust_radius"):
+        EstimatorConfig(trust_radius=0.0)
+    with pytest.raises(ConfigError, match="slope_factor"):
+        EstimatorConfig(slope_factor=1.0)
+    assert EstimatorConfig().trust_radius == 1.0 and EstimatorConfig().slope_factor == 2.0
+
+
+REAL_CODE_TRACE = Path(__file__).parent / "data" / "code_c1_trace.jsonl.gz"
+
+
+def test_real_code_traffic_fits_near_the_maximum_likelihood():
+    """Code on the real pair at concurrency 1: 94-95% of drafts accepted, most slots sure. What the
+    estimators of `specav bench adaptive --workloads code --concurrency 1 --rounds 4 --trace` observed
+    (tests/data/code_c1_trace.jsonl.gz: AV with the trust region off, on a Zen 4 EPYC), replayed
+    through the default: every round's final fit is within 0.01 in log-loss of the maximum-likelihood
+    fit of its labels. Without the trust region (the negative control, what that run's AV did)
+    some rounds ended with omega below 0.4 and far above it (docs/estimator.md)."""
+    from specav.bench.estimator_trace import mle, read_streams, replay
+
+    streams = read_streams(str(REAL_CODE_TRACE))
+    assert len(streams) >= 4
+    untrusted = EstimatorConfig(trust_radius=math.inf, slope_factor=math.inf)
+    trusted_gaps, untrusted_gaps = [], []
+    for stream in streams.values():
+        _, loss, n, acceptance = mle(stream)
+        assert n > 500 and acceptance > 0.9
+        trusted_gaps.append(replay(stream, EstimatorConfig(), loss).final_gap)
+        untrusted_gaps.append(replay(stream, untrusted, loss).final_gap)
+    assert max(trusted_gaps) < 0.01, trusted_gaps
+    assert max(untrusted_gaps) > 0.05, untrusted_gaps

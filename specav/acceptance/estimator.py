@@ -15,6 +15,8 @@ Two modes (`EstimatorConfig.mode`, a registry below):
   `change_z`, a refit whose new labels contradict the pooled fit (a calibration test, see
   `_changed`) drops the pooled statistics first, so a sudden change is followed within an
   interval or two while stationary traffic keeps a long memory.
+  In both modes the Newton step is kept within a trust region (`trust_radius` and
+  `slope_factor`, see `trusted`) before it is damped.
 - windowed (the seed's, and vLLM's): one damped Newton step from the interval's
   statistics alone, which are then zeroed.
 
@@ -98,6 +100,41 @@ def newton_step(statistics: torch.Tensor, ridge: float) -> NewtonStep:
     return NewtonStep(slope=float(d_slope), intercepts=d_intercepts)
 
 
+def logit_change(statistics: torch.Tensor, d_slope: float, d_intercepts: torch.Tensor) -> float:
+    """How far a step d moves the logits of the slots the statistics hold: the root mean square
+    of d_omega * f + d_beta_i over them, weighted by p(1 - p), = sqrt(d^T H d / sum c). O(K)."""
+    a, b, c, _, _, _ = statistics
+    moved = (a * d_slope ** 2 + 2 * b * d_slope * d_intercepts + c * d_intercepts ** 2).sum()
+    weight = float(c.sum())
+    return math.sqrt(max(float(moved), 0.0) / weight) if weight > 0 else 0.0
+
+
+def trusted(step: NewtonStep, statistics: torch.Tensor, slope: float, radius: float,
+            slope_factor: float) -> NewtonStep:
+    """The step scaled down (a trust region) so that it moves the slots' logits by at most
+    `radius` (`logit_change`) and omega, now `slope`, by at most a factor `slope_factor` either way.
+
+    The Newton step minimises a quadratic model of the log-likelihood built from p(1 - p) at the
+    parameters the slots were scored with. Where most slots are sure (p near 1: code, whose drafts
+    the target accepts 95% of the time), their curvature is nearly 0, and a few rejections ask for
+    a step whose end the model cannot see: on the real pair's code traffic, omega from 1.3 to 0.1-
+    0.3 (the maximum-likelihood fit of the same labels: 0.7-1.1), or below 0 (skipped, dropping the
+    statistics), after which every slot was priced alike for the rest of the run (docs/estimator.md,
+    "Near-separable traffic"). The weighted logit change cannot see those sure slots either (their
+    weight is p(1 - p)); the factor on omega, the scale of the feature, does, and keeps it positive.
+    Within both bounds the step is unchanged; inf turns a bound off."""
+    scale = 1.0
+    moved = logit_change(statistics, step.slope, step.intercepts)
+    if math.isfinite(radius) and math.isfinite(moved) and moved > radius:
+        scale = radius / moved
+    if math.isfinite(slope_factor) and slope > 0 and step.slope != 0:
+        bound = slope * (slope_factor if step.slope > 0 else 1.0 / slope_factor)
+        scale = min(scale, (bound - slope) / step.slope)
+    if scale >= 1.0:
+        return step
+    return NewtonStep(step.slope * scale, step.intercepts * scale)
+
+
 def corrected(statistics: torch.Tensor, d_slope: float, d_intercepts: torch.Tensor) -> torch.Tensor:
     """The statistics after the parameters moved by d: gradient g <- g - H d, H kept.  # [6, K]
 
@@ -123,7 +160,7 @@ class RefitResult:
     num_labels*: the labels observed since the last refit; pooled_labels: the (decayed)
     label count the step was taken from (= num_labels in windowed mode).
     newton_*: the undamped step the statistics asked for; delta_*: what was added to the
-    parameters (the damped step, or zeros when skipped).
+    parameters (the step within the trust region, damped; or zeros when skipped).
     """
 
     outcome: RefitOutcome
@@ -363,7 +400,8 @@ class OnlineAcceptanceEstimator:
         counts = stats[5]
         n = float(counts.sum())
         step = newton_step(stats, self.config.ridge)
-        outcome, d_slope, d_intercepts = self._damped(step, counts, n, n_pending)
+        region = trusted(step, stats, self.slope, self.config.trust_radius, self.config.slope_factor)
+        outcome, d_slope, d_intercepts = self._damped(region, counts, n, n_pending)
         if outcome is RefitOutcome.APPLIED:
             self._slope += d_slope
             self._intercepts += d_intercepts

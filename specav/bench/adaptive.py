@@ -13,8 +13,9 @@ top-k 20, top-p 0.8, request i seeded with i, through:
     target-only    no drafter
     static K=k     every request drafts and verifies k slots per step
     AV             adaptive verification, K = --av-k at most (the engine's default config otherwise)
-    AV a=x,b=y     AV with those AdaptiveConfig fields changed (one row per --av-variant; it takes its
-                   turn right after AV, and the goals are AV's own)
+    AV a=x,b=y     AV with those AdaptiveConfig fields changed, or EstimatorConfig fields named
+                   estimator.FIELD (one row per --av-variant; it takes its turn right after AV, and the
+                   goals are AV's own)
     oracle         drafts and verifies exactly up to the first rejection: replayed from the
                    static K=8 run's steps (same accepted counts, so the same emitted tokens) through
                    the cost model, as that run's measured time x predicted(oracle) / predicted(K=8);
@@ -58,7 +59,7 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from specav.cli import encode_prompt
-from specav.config import AdaptiveConfig, EngineConfig, SamplingParams, SpeculativeConfig
+from specav.config import AdaptiveConfig, EngineConfig, EstimatorConfig, SamplingParams, SpeculativeConfig
 from specav.drafting import DraftModelDrafter
 from specav.engine.engine import Engine, eos_token_ids
 from specav.engine.profile import PROFILE_FILE, load_or_profile, profile_key
@@ -140,46 +141,54 @@ class _Timed:
 
 
 def build_engine(target, drafter, k: int, adaptive: bool, concurrency: int, profile: CostProfile,
-                 adaptive_config: AdaptiveConfig = AdaptiveConfig()) -> Engine:
+                 adaptive_config: AdaptiveConfig = AdaptiveConfig(),
+                 estimator_config: EstimatorConfig = EstimatorConfig()) -> Engine:
     spec = SpeculativeConfig(num_speculative_tokens=k, enable_adaptive_verification=adaptive) if k else None
-    config = EngineConfig(speculative=spec, max_batch_size=concurrency, adaptive=adaptive_config)
+    config = EngineConfig(speculative=spec, max_batch_size=concurrency, adaptive=adaptive_config,
+                          estimator=estimator_config)
     return Engine(target.model, target.tokenizer, DraftModelDrafter(drafter.model) if k else None, config,
                   eos_token_ids(target), cost_profile=profile if adaptive else None)
 
 
-Method = tuple[str, int, bool, AdaptiveConfig]  # name, K (0: no drafter), adaptive, AV's config
+Method = tuple[str, int, bool, AdaptiveConfig, EstimatorConfig]  # name, K (0: no drafter), adaptive, AV's configs
 
 
 class Trace:
-    """`--trace`: AV's decisions, one JSON line per step and request (its cell, the request, its
-    tokens so far, why it drafted, what it drafted, had admitted and accepted, the step's seconds,
-    and, after the step, what the adaptive planner holds of the request and the estimator's fit:
-    `state`), and per cell each request's steps that drafted and that did not."""
+    """`--trace`: AV's decisions, one JSON line per step and request (its cell and method, the
+    request, its tokens so far, why it drafted, what it drafted, had admitted and accepted, its
+    drafted slots' features as the scorer saw them, the step's seconds, and, after the step, what
+    the adaptive planner holds of the request and the estimator's fit: `state`), and per cell each
+    request's steps that drafted and that did not. The features, admitted and accepted counts of a
+    step's lines are what the estimator observed that step (every request of the bench teaches it):
+    `python -m specav.bench.estimator_fit --trace` replays them through other estimator configs."""
 
     def __init__(self, path: str) -> None:
         self.file = open(path, "w")
         self.cell: dict[str, object] = {}
-        self.steps: dict[str, collections.Counter] = {}  # request -> {"drafted": n, "not": n}
+        self.steps: dict[str, dict[str, collections.Counter]] = {}  # method -> request -> {"drafted": n, "not": n}
 
     def start(self, workload: str, concurrency: int, round_: int) -> None:
         self.cell = {"workload": workload, "concurrency": concurrency, "round": round_}
 
-    def attach(self, engine: Engine) -> None:
-        engine.step_listeners.append(lambda record: self.listen(record, engine))
+    def attach(self, engine: Engine, method: str = "AV") -> None:
+        engine.step_listeners.append(lambda record: self.listen(record, engine, method))
 
-    def listen(self, record: StepRecord, engine: Engine | None = None) -> None:
+    def listen(self, record: StepRecord, engine: Engine | None = None, method: str = "AV") -> None:
         drafted, admitted = record.drafts.num_drafted.tolist(), record.num_admitted.tolist()
+        features = record.scores.features
         for b, request in enumerate(record.requests):
             reason = record.draft_reasons[b] if record.draft_reasons else ""
-            line = {**self.cell, "step": record.step, "request": request.request_id,
+            line = {**self.cell, "method": method, "step": record.step, "request": request.request_id,
                     "output": len(request.output_ids), "reason": reason, "drafted": drafted[b],
                     "admitted": admitted[b], "accepted": int(record.num_accepted[b]),
+                    "features": [round(float(f), 4) for f in features[b, :drafted[b]]],
                     "seconds": round(record.times.total, 5)}
             if engine is not None:
                 line.update(self.state(engine, request.request_id))
             self.file.write(json.dumps(line) + "\n")
             if not record.prefill_tokens or request.output_ids:
-                self.steps.setdefault(request.request_id, collections.Counter())["drafted" if drafted[b] else "not"] += 1
+                counts = self.steps.setdefault(method, {}).setdefault(request.request_id, collections.Counter())
+                counts["drafted" if drafted[b] else "not"] += 1
 
     @staticmethod
     def state(engine: Engine, request_id: str) -> dict[str, object]:
@@ -201,11 +210,13 @@ class Trace:
         return out
 
     def summary(self) -> str:
-        """Each request's decoding steps that drafted / did not, since the last summary."""
-        lines = " ".join(f"{r}: {c['drafted']}/{c['not']}" for r, c in self.steps.items())
+        """Each request's decoding steps that drafted / did not, since the last summary (a line per method)."""
+        lines = [f"{'':<12} {method} steps drafting / not, per request: "
+                 + " ".join(f"{r}: {c['drafted']}/{c['not']}" for r, c in requests.items())
+                 for method, requests in self.steps.items()]
         self.steps = {}
         self.file.flush()
-        return f"{'':<12} AV steps drafting / not, per request: {lines}"
+        return "\n".join(lines)
 
     def close(self) -> None:
         self.file.close()
@@ -219,10 +230,11 @@ def run_cell(target, drafter, methods: list[Method], prompts: list[list[int]], m
     drift falls on every method alike (see the module docstring)."""
     params = [SamplingParams(max_tokens=max_tokens, seed=i, ignore_eos=True, **PARAMS) for i in range(len(prompts))]
     engines = []
-    for name, k, adaptive, config in methods:
-        engine, result, prefilled = _instrumented(target, drafter, name, k, adaptive, concurrency, profile, config)
-        if trace is not None and name == "AV":
-            trace.attach(engine)
+    for name, k, adaptive, config, estimator in methods:
+        engine, result, prefilled = _instrumented(target, drafter, name, k, adaptive, concurrency, profile, config,
+                                                  estimator)
+        if trace is not None and adaptive:
+            trace.attach(engine, name)
         for prompt, sp in zip(prompts, params):
             engine.add_request(prompt, sp)
         engines.append((engine, result, prefilled))
@@ -247,10 +259,11 @@ def run_cell(target, drafter, methods: list[Method], prompts: list[list[int]], m
 
 
 def _instrumented(target, drafter, method: str, k: int, adaptive: bool, concurrency: int, profile: CostProfile,
-                  config: AdaptiveConfig) -> tuple[Engine, Run, list[bool]]:
+                  config: AdaptiveConfig, estimator: EstimatorConfig = EstimatorConfig()
+                  ) -> tuple[Engine, Run, list[bool]]:
     """A method's engine with the listeners and timers its Run needs, the Run, and a flag its
     listener sets when a step prefilled a prompt."""
-    engine = build_engine(target, drafter, k, adaptive, concurrency, profile, config)
+    engine = build_engine(target, drafter, k, adaptive, concurrency, profile, config, estimator)
     result = Run(method)
     prefilled = [False]
 
@@ -419,10 +432,11 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--av-variant", action="append", default=[], metavar="FIELD=VALUE[,FIELD=VALUE]",
-                        help="also run AV with these AdaptiveConfig fields changed (repeatable)")
+                        help="also run AV with these AdaptiveConfig fields changed, EstimatorConfig fields "
+                             "named estimator.FIELD (repeatable)")
     parser.add_argument("--plot", default=None, help="write the bar chart here (PNG)")
     parser.add_argument("--trace", default=None, metavar="PATH",
-                        help="write AV's decisions here (JSON lines, one per step and request), and print each "
+                        help="write AV's (and its variants') decisions here (JSON lines, one per step and request), and print each "
                              "request's steps that drafted and that did not per cell")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -437,10 +451,11 @@ def main() -> None:
     key = profile_key(f"target default | drafter default | {args.dtype}")
     profile = load_or_profile(probe.verifier, probe.drafter, key, packaged.cache_root() / PROFILE_FILE,
                               max(concurrencies) * (args.av_k + 1), max(concurrencies))
-    variants = [(f"AV {v}", args.av_k, True, _adaptive_config(parser, v)) for v in args.av_variant]
-    default = AdaptiveConfig()
-    methods = ([("target-only", 0, False, default)] + [(f"static K={k}", k, False, default) for k in ks]
-               + [("AV", args.av_k, True, default)] + variants)
+    variants = [(f"AV {v}", args.av_k, True, *_variant(parser, v)) for v in args.av_variant]
+    default, estimator = AdaptiveConfig(), EstimatorConfig()
+    methods = ([("target-only", 0, False, default, estimator)] + [(f"static K={k}", k, False, default, estimator)
+                                                                  for k in ks]
+               + [("AV", args.av_k, True, default, estimator)] + variants)
     cpu = cpu_model()
     print(f"packaged pair, {args.dtype}, {torch.get_num_threads()} threads, {cpu}; {args.requests} requests x "
           f"{args.max_tokens} tokens per cell (EOS ignored), temperature 0.7, top-k 20, top-p 0.8")
@@ -476,17 +491,21 @@ def main() -> None:
         print(f"plot: {args.plot}")
 
 
-def _adaptive_config(parser: argparse.ArgumentParser, variant: str) -> AdaptiveConfig:
-    """--av-variant "probe_share=0.01,min_speedup=1.1" -> the default AdaptiveConfig with those fields."""
-    types = {f.name: type(getattr(AdaptiveConfig(), f.name)) for f in fields(AdaptiveConfig)}
-    changes = {}
+def _variant(parser: argparse.ArgumentParser, variant: str) -> tuple[AdaptiveConfig, EstimatorConfig]:
+    """--av-variant "probe_share=0.01,estimator.trust_radius=inf" -> the default AdaptiveConfig and
+    EstimatorConfig with those fields changed (an estimator field is named estimator.FIELD)."""
+    defaults = {"": AdaptiveConfig(), "estimator.": EstimatorConfig()}
+    types = {prefix + f.name: type(getattr(config, f.name))
+             for prefix, config in defaults.items() for f in fields(config)}
+    changes: dict[str, dict[str, object]] = {prefix: {} for prefix in defaults}
     for item in variant.split(","):
         name, _, value = item.partition("=")
         if name not in types or not value:
             parser.error(f"--av-variant {variant!r}: {item!r} is not FIELD=VALUE with FIELD one of {sorted(types)}")
-        changes[name] = types[name](value)
+        prefix = "estimator." if name.startswith("estimator.") else ""
+        changes[prefix][name.removeprefix(prefix)] = types[name](value)
     try:
-        return dataclasses.replace(AdaptiveConfig(), **changes)
+        return tuple(dataclasses.replace(config, **changes[prefix]) for prefix, config in defaults.items())
     except ValueError as e:
         parser.error(f"--av-variant {variant!r}: {e}")
 

@@ -2,7 +2,7 @@
 follows a change, on synthetic traffic drawn from a known model.
 
     python -m specav.bench.estimator_fit [--steps 12000] [--seeds 8] [--half-lives 500,1000,...]
-                                         [--change-z inf,6] [--shift -0.5]
+                                         [--change-z inf,6] [--shift -0.5] [--trust on,off]
 
 Traffic (issue 12): 8 requests per step, K = 6, every drafted slot verified (the static
 planner), labels up to the first rejection; confidence_i = sigmoid(0.53 f + beta_i) with
@@ -23,7 +23,8 @@ cold_start_labels, at 1 request per step over 300 and 1,000 steps and at 8 per s
 change_z in --false-alarm-z, against the chi^2 rate the test is built for).
 
 Every pooled row uses the default EstimatorConfig but for its half-life and change_z
-(cold_start_labels and the initial values can be set too); the seed's windowed
+(cold_start_labels and the initial values can be set too; --trust on,off adds the rows
+without the trust region); the seed's windowed
 configuration is the first row. Figures are the mean and the worst over seeds.
 This program owns only the measurement.
 """
@@ -162,13 +163,15 @@ def cold_start_gap(config: EstimatorConfig, traffic: Traffic, steps: int) -> flo
 
 
 def configs(half_lives: list[float], cold_start_labels: int, init: tuple[float, float],
-            change_z: list[float]) -> dict[str, EstimatorConfig]:
+            change_z: list[float], trust: list[bool] = (True,)) -> dict[str, EstimatorConfig]:
     out = {"windowed (seed)": EstimatorConfig.seed_windowed()}
-    for z in change_z:
-        for h in half_lives:
-            name = f"pooled, h {h:g}" + ("" if math.isinf(z) else f", z {z:g}")
-            out[name] = EstimatorConfig(half_life=h, cold_start_labels=cold_start_labels, change_z=z,
-                                        init_slope=init[0], init_intercept=init[1])
+    off = {"trust_radius": math.inf, "slope_factor": math.inf}
+    for region in trust:
+        for z in change_z:
+            for h in half_lives:
+                name = f"pooled, h {h:g}" + ("" if math.isinf(z) else f", z {z:g}") + ("" if region else ", no TR")
+                out[name] = EstimatorConfig(half_life=h, cold_start_labels=cold_start_labels, change_z=z,
+                                            init_slope=init[0], init_intercept=init[1], **({} if region else off))
     return out
 
 
@@ -184,6 +187,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--init-intercept", type=float, default=default.init_intercept)
     p.add_argument("--change-z", default=f"inf,{default.change_z:g}",
                    help="change_z values to compare (comma-separated; inf: no change test)")
+    p.add_argument("--trust", default="on", help="trust region settings to compare (on,off; off: the pooled "
+                   "rows without trust_radius and slope_factor, named 'no TR')")
     p.add_argument("--shift-at", type=int, default=6_000)
     p.add_argument("--shift", type=float, default=-0.5, help="the change added to every intercept")
     p.add_argument("--cold-start-sweep", default="", help="cold_start_labels values for the optional table")
@@ -194,7 +199,7 @@ def main(argv: list[str] | None = None) -> None:
     half_lives = [float(h) for h in args.half_lives.split(",")]
     read_at = [int(s) for s in args.read_at.split(",")]
     table = configs(half_lives, args.cold_start_labels, (args.init_slope, args.init_intercept),
-                    [float(z) for z in args.change_z.split(",")])
+                    [float(z) for z in args.change_z.split(",")], [t == "on" for t in args.trust.split(",")])
     seeds = range(args.seeds)
     calm = [draw_traffic(args.steps, seed) for seed in seeds]
     moved = [draw_traffic(max(read_at), 1000 + seed, shift_at=args.shift_at, shift=args.shift) for seed in seeds]
