@@ -40,6 +40,8 @@ def test_monotone_fit_has_the_least_squares_runs_and_no_flat_steps_noise_made(va
     assert all(b >= a for a, b in zip(fitted, fitted[1:])) and min(fitted) >= 0
     if values == sorted(values):
         assert fitted == pytest.approx(values)  # nothing to pool: the measurements themselves
+    if len(values) > 1 and all(b > a for a, b in zip(values, values[1:])):
+        assert fitted == values  # exactly (a corrected curve refitted every step takes this path)
     runs = _pooled(sizes, values)  # (mean size, mean value, points): the least-squares fit's runs
     start = 0
     for j, (_, mean, count) in enumerate(runs):  # a pooled run between a lower and a higher one rises

@@ -91,6 +91,8 @@ def monotone(sizes: Sequence[float], values: Sequence[float]) -> list[float]:
     least-squares fit makes a run that noise inverted flat, and on a flat step the planner's
     rules price a verified slot at nothing (three-repeat profiles of the Zen 4 EPYC had two to four
     of them between 1 and 32 tokens)."""
+    if len(values) > 1 and all(b > a for a, b in zip(values, values[1:])):  # nothing to pool (a corrected curve, most steps)
+        return [max(0.0, v) for v in values]
     runs = _pooled(sizes, values)
     if len(runs) == 1:
         return [runs[0][1]] * len(sizes)
