@@ -805,3 +805,28 @@ def test_real_code_traffic_fits_near_the_maximum_likelihood():
         untrusted_gaps.append(replay(stream, untrusted, loss).final_gap)
     assert max(trusted_gaps) < 0.01, trusted_gaps
     assert max(untrusted_gaps) > 0.05, untrusted_gaps
+
+
+def test_the_trace_replay_prints_a_row_per_stream_and_config(capsys):
+    from specav.bench.estimator_trace import main, parse_config
+
+    assert parse_config('{"trust_radius": "inf", "change_z": 4}') == EstimatorConfig(trust_radius=math.inf, change_z=4)
+    main([str(REAL_CODE_TRACE), "--config", '{"trust_radius": "inf", "slope_factor": "inf"}'])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("code C=1")]
+    assert len(rows) == 8  # four rounds of two engines
+    for row in rows:  # the stream's name, then labels, acceptance, MLE slope and each config's four figures
+        figures = [float(v) for v in row.split()[-(3 + 2 * 4):]]  # (a word that is no number raises)
+        assert figures[0] > 500 and 0.9 < figures[1] < 1
+
+
+def test_the_trace_replay_says_so_where_nothing_was_verified(tmp_path, capsys):
+    import json
+
+    from specav.bench.estimator_trace import main
+
+    line = {"workload": "chat", "concurrency": 4, "round": 0, "method": "AV", "admitted": 0, "accepted": 0,
+            "features": []}
+    path = tmp_path / "trace.jsonl"
+    path.write_text("".join(json.dumps({**line, "step": s}) + "\n" for s in range(3)))
+    main([str(path)])
+    assert "nothing verified" in capsys.readouterr().out

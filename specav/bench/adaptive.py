@@ -160,7 +160,7 @@ class Trace:
     the adaptive planner holds of the request and the estimator's fit: `state`), and per cell each
     request's steps that drafted and that did not. The features, admitted and accepted counts of a
     step's lines are what the estimator observed that step (every request of the bench teaches it):
-    `python -m specav.bench.estimator_fit --trace` replays them through other estimator configs."""
+    `python -m specav.bench.estimator_trace` replays them through other estimator configs."""
 
     def __init__(self, path: str) -> None:
         self.file = open(path, "w")

@@ -163,7 +163,7 @@ def cold_start_gap(config: EstimatorConfig, traffic: Traffic, steps: int) -> flo
 
 
 def configs(half_lives: list[float], cold_start_labels: int, init: tuple[float, float],
-            change_z: list[float], trust: list[bool] = (True,)) -> dict[str, EstimatorConfig]:
+            change_z: list[float], trust: tuple[bool, ...] = (True,)) -> dict[str, EstimatorConfig]:
     out = {"windowed (seed)": EstimatorConfig.seed_windowed()}
     off = {"trust_radius": math.inf, "slope_factor": math.inf}
     for region in trust:
@@ -197,9 +197,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--read-at", default="6500,7000,8000,9000", help="steps at which tracking error is read")
     args = p.parse_args(argv)
     half_lives = [float(h) for h in args.half_lives.split(",")]
+    if not set(args.trust.split(",")) <= {"on", "off"}:
+        p.error(f"--trust {args.trust!r}: a comma-separated list of on and off")
+    trust = tuple(t == "on" for t in args.trust.split(","))
     read_at = [int(s) for s in args.read_at.split(",")]
     table = configs(half_lives, args.cold_start_labels, (args.init_slope, args.init_intercept),
-                    [float(z) for z in args.change_z.split(",")], [t == "on" for t in args.trust.split(",")])
+                    [float(z) for z in args.change_z.split(",")], trust)
     seeds = range(args.seeds)
     calm = [draw_traffic(args.steps, seed) for seed in seeds]
     moved = [draw_traffic(max(read_at), 1000 + seed, shift_at=args.shift_at, shift=args.shift) for seed in seeds]

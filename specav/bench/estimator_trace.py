@@ -134,12 +134,15 @@ def main(argv: list[str] | None = None) -> None:
           "  ".join(f"{name[:34]:>34}" for name in configs))
     print(f"{'':<53}  " + "  ".join(f"{'slope  final gap  prequential  skip':>34}" for _ in configs))
     for key, stream in streams.items():
+        name = f"{key[0]} C={key[1]} r{key[2]} {key[3]}"
+        if not len(labelled(stream)[2]):
+            print(f"{name[:28]:<28}{0:>7}  (nothing verified: no labels to fit)")
+            continue
         slope, loss, n, acceptance = mle(stream)
         cells = []
         for config in configs.values():
             r = replay(stream, config, loss)
             cells.append(f"{r.slope:>5.2f}  {r.final_gap:>9.4f}  {r.prequential:>11.4f}  {r.skipped:>4}")
-        name = f"{key[0]} C={key[1]} r{key[2]} {key[3]}"
         print(f"{name[:28]:<28}{n:>7}{acceptance:>8.3f}{slope:>10.2f}  " + "  ".join(f"{c:>34}" for c in cells))
 
 
