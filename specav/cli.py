@@ -362,6 +362,7 @@ BENCHMARKS = {
     "native": "specav.bench.native",
     "vocab_subset": "specav.bench.vocab_subset",
     "estimator_fit": "specav.bench.estimator_fit",
+    "estimator_trace": "specav.bench.estimator_trace",
     "llama_cpp": "specav.bench.llama_cpp",
     "ab": "specav.bench.ab",
 }
