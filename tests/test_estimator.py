@@ -707,8 +707,9 @@ def pending_statistics(est: OnlineAcceptanceEstimator) -> torch.Tensor:
 def sure_slots_and_one_rejection(est: OnlineAcceptanceEstimator, sure: int = 60) -> None:
     """Code-like labels: slot 1 sure (logit(q_max) 12) and accepted `sure` times, rejected once,
     and a few unsure slots (logit(q_max) 0), half accepted."""
-    one = lambda f, accepted: est.observe(torch.tensor([[f] + [math.nan] * (K - 1)]), torch.tensor([1]),
-                                          torch.tensor([accepted]))
+    def one(f: float, accepted: int) -> None:
+        est.observe(torch.tensor([[f] + [math.nan] * (K - 1)]), torch.tensor([1]), torch.tensor([accepted]))
+
     for _ in range(sure):
         one(12.0, 1)
     one(12.0, 0)
@@ -786,12 +787,14 @@ REAL_CODE_TRACE = Path(__file__).parent / "data" / "code_c1_trace.jsonl.gz"
 
 
 def test_real_code_traffic_fits_near_the_maximum_likelihood():
-    """Code on the real pair at concurrency 1: 94-95% of drafts accepted, most slots sure. What the
-    estimators of `specav bench adaptive --workloads code --concurrency 1 --rounds 4 --trace` observed
-    (tests/data/code_c1_trace.jsonl.gz: AV with the trust region off, on a Zen 4 EPYC), replayed
-    through the default: every round's final fit is within 0.01 in log-loss of the maximum-likelihood
-    fit of its labels. Without the trust region (the negative control, what that run's AV did)
-    some rounds ended with omega below 0.4 and far above it (docs/estimator.md)."""
+    """Code on the real pair at concurrency 1: 94-96% of drafts accepted, most slots sure. What the
+    estimators of `specav bench adaptive --workloads code --concurrency 1 --ks none --rounds 4
+    --av-variant estimator.trust_radius=inf,estimator.slope_factor=inf --trace` observed on a Zen 4
+    EPYC (tests/data/code_c1_trace.jsonl.gz: four rounds each of AV and of the variant without the
+    trust region), every stream replayed through the default: its final fit is within 0.01 in
+    log-loss of the maximum-likelihood fit of the stream's labels. The negative control, the same
+    streams replayed without the trust region: some end with omega 0.10-0.21, 0.05-0.10 above the
+    MLE's log-loss (docs/estimator.md, "Near-separable traffic")."""
     from specav.bench.estimator_trace import mle, read_streams, replay
 
     streams = read_streams(str(REAL_CODE_TRACE))
