@@ -117,7 +117,7 @@ def test_the_trace_attached_to_an_adaptive_engine_writes_its_planners_and_estima
     from specav.bench.estimator_trace import read_streams, replay
 
     (key, stream), = read_streams(str(path), num_slots=4).items()
-    assert key == ("code", 2, 0, "AV") and len(stream) == engine.stats.steps
+    assert key == ("code", 2, 0, "AV") and 0 <= stream.step.min() <= stream.step.max() < engine.stats.steps
     assert engine.scorer.num_refits >= 1 and float(engine.scorer.slope) != 1.0  # a fit to reproduce
     replayed = replay(stream, engine.scorer.config, 0.0)
     assert replayed.slope == pytest.approx(float(engine.scorer.slope), abs=1e-3)

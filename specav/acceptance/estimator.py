@@ -124,8 +124,8 @@ def trusted(step: NewtonStep, statistics: torch.Tensor, slope: float, radius: fl
     weight is p(1 - p)); the factor on omega, the scale of the feature, does, and keeps it positive.
     Within both bounds the step is unchanged; inf turns a bound off."""
     scale = 1.0
-    moved = logit_change(statistics, step.slope, step.intercepts)
-    if math.isfinite(radius) and math.isfinite(moved) and moved > radius:
+    moved = logit_change(statistics, step.slope, step.intercepts) if math.isfinite(radius) else 0.0
+    if math.isfinite(moved) and moved > radius:
         scale = radius / moved
     if math.isfinite(slope_factor) and slope > 0 and step.slope != 0:
         bound = slope * (slope_factor if step.slope > 0 else 1.0 / slope_factor)

@@ -175,13 +175,13 @@ class Trace:
 
     def listen(self, record: StepRecord, engine: Engine | None = None, method: str = "AV") -> None:
         drafted, admitted = record.drafts.num_drafted.tolist(), record.num_admitted.tolist()
-        features = record.scores.features
+        features = record.scores.features.tolist()  # [B][K]
         for b, request in enumerate(record.requests):
             reason = record.draft_reasons[b] if record.draft_reasons else ""
             line = {**self.cell, "method": method, "step": record.step, "request": request.request_id,
                     "output": len(request.output_ids), "reason": reason, "drafted": drafted[b],
                     "admitted": admitted[b], "accepted": int(record.num_accepted[b]),
-                    "features": [round(float(f), 4) for f in features[b, :drafted[b]]],
+                    "features": [round(f, 4) for f in features[b][:drafted[b]]],
                     "seconds": round(record.times.total, 5)}
             if engine is not None:
                 line.update(self.state(engine, request.request_id))

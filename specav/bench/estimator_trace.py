@@ -5,13 +5,15 @@
 TRACE is the JSON-lines file of `python -m specav.bench.adaptive --trace` (plain or .gz): per
 step and request the drafted slots' features, and the admitted and accepted counts, which are
 what the estimator observed that step (every request of the bench teaches it). Each stream (a
-cell's round for one AV method: its engine started with a fresh estimator) is replayed step by
-step, one `observe` per engine step, through the default EstimatorConfig and each `--config`
+cell's round for one AV method: its engine started with a fresh estimator) is replayed as the
+engine fed it (`evaluation/replay.py`), through the default EstimatorConfig and each `--config`
 (fields over the default; "inf" for infinity), and compared with the maximum-likelihood fit of
 the same labels (`fit_position_logistic`, an exact Newton fit): the final parameters' log-loss
 over the stream's labels less the MLE's, and the prequential log-loss (each slot scored before
 its label was learned). The labels a replay sees are the ones the recorded run produced: its
-drafts and trims followed the recorded estimator, not the replayed one.
+drafts and trims followed the recorded estimator, not the replayed one; and the replay ends at a
+stream's last labelled step (a refit the engine made in the label-free steps after it is not
+replayed).
 
 This program owns only the measurement.
 """
@@ -26,43 +28,46 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
-from specav.acceptance.estimator import OnlineAcceptanceEstimator
 from specav.config import EstimatorConfig
+from specav.evaluation.metrics import log_loss
+from specav.evaluation.replay import replay_online
 from specav.evaluation.report import fit_position_logistic
 
 StreamKey = tuple[str, int, int, str]  # workload, concurrency, round, method
 
 
 @dataclass(frozen=True, slots=True)
-class Observation:
-    """One engine step as the estimator saw it."""
+class Slots:
+    """A stream's labelled slots in step order, `# [N]` each (`replay_online`'s inputs): each
+    request's accepted slots and its first rejected one, as the estimator labels them."""
 
-    features: torch.Tensor  # [B, K] float64, NaN past each request's drafted slots
-    num_admitted: torch.Tensor  # [B]
-    num_accepted: torch.Tensor  # [B]
+    step: np.ndarray
+    request: np.ndarray  # the trace line (a request's row in a step)
+    position: np.ndarray  # 1-based
+    feature: np.ndarray
+    label: np.ndarray
+    num_slots: int  # K
 
 
-def read_streams(path: str, num_slots: int = 0) -> dict[StreamKey, list[Observation]]:
-    """The trace's observation streams, in file order; K = num_slots, or the deepest draft seen."""
+def read_streams(path: str, num_slots: int = 0) -> dict[StreamKey, Slots]:
+    """The trace's streams, in file order; K = num_slots, or the deepest draft seen."""
     opener = gzip.open if path.endswith(".gz") else open
     with opener(path, "rt") as f:
         lines = [json.loads(line) for line in f if line.strip()]
     k = num_slots or max((len(line["features"]) for line in lines), default=1)
-    steps: dict[StreamKey, dict[int, list[dict]]] = {}
-    for line in lines:
+    rows: dict[StreamKey, list[tuple]] = {}
+    for row, line in enumerate(lines):  # a line is one request's draft row of one step
         key = (line["workload"], line["concurrency"], line["round"], line.get("method", "AV"))
-        steps.setdefault(key, {}).setdefault(line["step"], []).append(line)
+        slots = rows.setdefault(key, [])
+        accepted = line["accepted"]
+        for i, f in enumerate(line["features"][:min(line["admitted"], accepted + 1)]):
+            slots.append((line["step"], row, i + 1, f, float(i < accepted)))
     streams = {}
-    for key, by_step in steps.items():
-        streams[key] = []
-        for rows in by_step.values():
-            features = torch.full((len(rows), k), math.nan, dtype=torch.float64)
-            for b, row in enumerate(rows):
-                features[b, :len(row["features"])] = torch.tensor(row["features"], dtype=torch.float64)
-            streams[key].append(Observation(features, torch.tensor([r["admitted"] for r in rows]),
-                                            torch.tensor([r["accepted"] for r in rows])))
+    for key, slots in rows.items():
+        step, request, position, feature, label = zip(*slots) if slots else ((),) * 5
+        streams[key] = Slots(np.array(step, np.int64), np.array(request, np.int64), np.array(position, np.int64),
+                             np.array(feature, np.float64), np.array(label, np.float64), k)
     return streams
 
 
@@ -74,45 +79,20 @@ class Replay:
     skipped: int  # refits skipped (a negative or non-finite step)
 
 
-def labelled(stream: list[Observation]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The stream's labelled slots: features, 1-based positions and labels # [N] (accepted slots
-    and each request's first rejected one, as the estimator labels them)."""
-    f, pos, y = [], [], []
-    for o in stream:
-        for b in range(len(o.num_admitted)):
-            admitted, accepted = int(o.num_admitted[b]), int(o.num_accepted[b])
-            for i in range(min(admitted, accepted + 1)):
-                if math.isfinite(float(o.features[b, i])):
-                    f.append(float(o.features[b, i]))
-                    pos.append(i + 1)
-                    y.append(1.0 if i < accepted else 0.0)
-    return np.array(f), np.array(pos, dtype=np.int64), np.array(y)
+def replay(slots: Slots, config: EstimatorConfig, mle_log_loss: float) -> Replay:
+    r = replay_online(slots.step, slots.request, slots.position, slots.feature, slots.label, config,
+                      num_slots=slots.num_slots)
+    est = r.estimator
+    final = est.slope * slots.feature + est.intercepts.numpy()[slots.position - 1]
+    return Replay(est.slope, log_loss(1 / (1 + np.exp(-final)), slots.label) - mle_log_loss,
+                  log_loss(r.confidence, slots.label), est.num_skipped)
 
 
-def replay(stream: list[Observation], config: EstimatorConfig, mle_log_loss: float) -> Replay:
-    est = OnlineAcceptanceEstimator(stream[0].features.shape[1], config)
-    losses = []
-    for o in stream:
-        confidences = est.score(o.features)
-        for b in range(len(o.num_admitted)):
-            admitted, accepted = int(o.num_admitted[b]), int(o.num_accepted[b])
-            for i in range(min(admitted, accepted + 1)):
-                p = min(max(float(confidences[b, i]), 1e-12), 1 - 1e-12)
-                if math.isfinite(p):
-                    losses.append(-math.log(p if i < accepted else 1.0 - p))
-        est.observe(o.features, o.num_admitted, o.num_accepted)
-    f, pos, y = labelled(stream)
-    logits = est.slope * f + est.intercepts.numpy()[pos - 1]
-    final = float(np.mean(np.logaddexp(0.0, logits) - y * logits))
-    return Replay(est.slope, final - mle_log_loss, float(np.mean(losses)), est.num_skipped)
-
-
-def mle(stream: list[Observation]) -> tuple[float, float, int, float]:
+def mle(slots: Slots) -> tuple[float, float, int, float]:
     """The maximum-likelihood fit of the stream's labels: (slope, its log-loss, labels, acceptance)."""
-    f, pos, y = labelled(stream)
-    fit = fit_position_logistic(f, pos, y)
-    logits = fit.logit(f, pos)
-    return float(fit.slope[0]), float(np.mean(np.logaddexp(0.0, logits) - y * logits)), len(y), float(y.mean())
+    fit = fit_position_logistic(slots.feature, slots.position, slots.label)
+    return (float(fit.slope[0]), log_loss(fit.predict(slots.feature, slots.position), slots.label),
+            len(slots.label), float(slots.label.mean()))
 
 
 def parse_config(text: str) -> EstimatorConfig:
@@ -135,7 +115,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{'':<53}  " + "  ".join(f"{'slope  final gap  prequential  skip':>34}" for _ in configs))
     for key, stream in streams.items():
         name = f"{key[0]} C={key[1]} r{key[2]} {key[3]}"
-        if not len(labelled(stream)[2]):
+        if not len(stream.label):
             print(f"{name[:28]:<28}{0:>7}  (nothing verified: no labels to fit)")
             continue
         slope, loss, n, acceptance = mle(stream)
