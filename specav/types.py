@@ -87,6 +87,13 @@ class DraftBatch:
     #   key positions they attended to, `attended` summed over its requests), for the cost model
     setup_seconds: float = 0.0  # of this propose, spent getting the drafter ready (a deferred load), not drafting
 
+    @classmethod
+    def empty(cls, batch: int, vocab_size: int, features: Sequence[str] = ()) -> "DraftBatch":
+        """A step in which no request drafts (target-only decoding, and most adaptive steps where
+        drafts do not pay): no slots and no forwards; each named feature # [B, 0]."""
+        return cls(torch.full((batch, 0), -1, dtype=torch.int64), Ragged.of([0] * batch),
+                   TokenProbs.dense(torch.zeros(0, vocab_size)), {name: torch.zeros(batch, 0) for name in features})
+
     @property
     def num_drafted(self) -> torch.Tensor:  # [B] int64
         return self.layout.counts
@@ -142,6 +149,10 @@ class Plan:
     def of(cls, drafts: DraftBatch, num_admitted: torch.Tensor, predicted: StageTimes | None = None) -> "Plan":
         """Admit the first num_admitted[b] drafted slots of each request (# [B] int64)."""
         num_admitted = torch.as_tensor(num_admitted, dtype=torch.int64)
+        if not drafts.layout.total and num_admitted.shape == drafts.num_drafted.shape and \
+                not bool(num_admitted.any()):  # nothing drafted or admitted (most steps where drafts
+            # do not pay): the drafts' empty layout serves the admitted slots too
+            return cls(drafts.layout, drafts.layout.request, drafts.layout.request, predicted)
         if bool((num_admitted > drafts.num_drafted).any()) or bool((num_admitted < 0).any()):
             raise ValueError(f"num_admitted {num_admitted.tolist()} must lie in [0, num_drafted] per request "
                              f"(num_drafted {drafts.num_drafted.tolist()})")

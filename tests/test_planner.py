@@ -367,6 +367,25 @@ def test_no_draft_then_probe_with_a_doubling_wait():
     assert [i for i, n in enumerate(decided) if n] == [3, 6, 11, 20, 29]
 
 
+def test_a_step_in_which_every_request_waits_prices_nothing():
+    """Where drafts do not pay, most steps have every request waiting out its no-draft decision:
+    such a step's plan drafts nothing and asks the cost model for no price (the planner's work in it
+    is overhead on a target-only step), and its plan stage admits nothing, priced as a plain step."""
+    p = planner(4)
+    waiting = requests(2)
+    for r in waiting:
+        p.history[r.request_id] = type(p._history(r))(samples=BlockSamples.of([[-6.0]], 100.0), wait=3)
+    asked = []
+    p.target_only_rate = lambda shapes: asked.append(shapes) or 1.0
+    shapes = [RequestShape(1, 10, draft_pending=5)] * 2
+    plan = p.draft_plan(waiting, [4, 4], shapes)
+    assert plan.num_slots == [0, 0] and plan.stop_rule is None and not asked
+    assert [p.history[r.request_id].wait for r in waiting] == [2, 2]  # the waits count down
+    step = p.plan(drafts_for([0, 0], 4), Scores.empty(2), plan)
+    assert step.num_admitted.tolist() == [0, 0] and step.draft_rows.numel() == 0
+    assert step.predicted.total == pytest.approx(p.cost.plain_seconds(2, 20) + p.cost.overhead)
+
+
 def test_a_request_with_confident_history_drafts_and_one_without_does_not():
     p = planner(4)
     good, bad = requests(2)

@@ -49,10 +49,10 @@ def slot_features(drafts: DraftBatch, feature: str, num_slots: int) -> torch.Ten
 def score_drafts(scorer: Scorer, drafts: DraftBatch, num_slots: int) -> Scores:
     """Confidence and survival of every drafted slot (NaN for the others, without asking the scorer
     in a step that drafted nothing: most steps where drafts do not pay, at concurrency 1)."""
-    features = slot_features(drafts, scorer.feature, num_slots)
     if not drafts.layout.total:
-        nothing = torch.full(features.shape, float("nan"), dtype=torch.float64)
-        return Scores(features, nothing, nothing)
+        nothing = torch.full((len(drafts.layout), num_slots), float("nan"), dtype=torch.float64)
+        return Scores(nothing, nothing, nothing)
+    features = slot_features(drafts, scorer.feature, num_slots)
     confidences = scorer.score(features)
     return Scores(features, confidences, survival(confidences))
 

@@ -17,8 +17,7 @@ from typing import Callable, Protocol, Sequence
 import torch
 
 from specav.request import Request
-from specav.token_probs import TokenProbs
-from specav.types import AcceptResult, DraftBatch, Ragged
+from specav.types import AcceptResult, DraftBatch
 
 
 class StopRule(Protocol):
@@ -86,9 +85,7 @@ class NoDrafter:
 
     def propose(self, requests: Sequence[Request], num_slots: Sequence[int],
                 stop_rule: StopRule | None = None) -> DraftBatch:
-        b = len(requests)
-        return DraftBatch(torch.full((b, 0), -1, dtype=torch.int64), Ragged.of([0] * b),
-                          TokenProbs.dense(torch.zeros(0, self.vocab_size)), {})
+        return DraftBatch.empty(len(requests), self.vocab_size)
 
     def pending_tokens(self, requests: Sequence[Request]) -> list[int]:
         return [0] * len(requests)

@@ -68,6 +68,8 @@ class DraftModelDrafter:
     def propose(self, requests: Sequence[Request], num_slots: Sequence[int],
                 stop_rule: StopRule | None = None) -> DraftBatch:
         b, k = len(requests), max(num_slots, default=0)
+        if k == 0:  # nobody drafts this step: nothing to feed (skipped tokens stay pending)
+            return DraftBatch.empty(b, self.model.vocab_size, FEATURE_NAMES)
         drafts: list[list[int]] = [[] for _ in range(b)]  # per request, its draft tokens so far
         slot_values: list[torch.Tensor] = []  # per forward, its rows' features # [F, A], F = len(FEATURE_NAMES)
         slot_active: list[list[int]] = []  # per forward, the requests it drafted for

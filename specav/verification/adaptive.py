@@ -94,6 +94,7 @@ Must not know: models, the rejection sampler, the engine, the server.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
@@ -297,9 +298,35 @@ def select_prefix(gains: Sequence[float], tokens: Sequence[int], committed_token
     return best_n
 
 
-def _no_draft(batch: int, price: float, shapes: Sequence[RequestShape]) -> DraftPlan:
-    """A step in which no request drafts."""
-    return DraftPlan([0] * batch, None, torch.zeros(batch, dtype=torch.bool), price, tuple(shapes), ("",) * batch)
+def _no_draft(batch: int, shapes: Sequence[RequestShape]) -> DraftPlan:
+    """A step in which no request drafts (nothing is priced: no rule has anything to decide)."""
+    return DraftPlan([0] * batch, None, torch.zeros(batch, dtype=torch.bool), math.nan, tuple(shapes), ("",) * batch)
+
+
+class _Prices:
+    """One step's prices, each computed when a rule first asks for it: in a step where every request
+    waits (most steps where drafts do not pay) no rule asks, and the planner's work stays small
+    beside the one-token forward it plans (an AV step that drafts nothing costs target-only's)."""
+
+    def __init__(self, planner: "AdaptivePlanner", requests: Sequence[Request],
+                 shapes: Sequence[RequestShape]) -> None:
+        self._planner, self._requests, self._shapes = planner, requests, shapes
+
+    @functools.cached_property
+    def price(self) -> float:
+        """lambda, what a second of this batch's compute must buy (`AdaptivePlanner.price`)."""
+        return self._planner.price(self._requests, self._shapes)
+
+    @functools.cached_property
+    def catch_up(self) -> float:
+        """Tokens per second a catch-up (an entry, the cold start) must beat: min_speedup x target-only."""
+        return self._planner.config.min_speedup * self._planner.target_only_rate(self._shapes)
+
+    @functools.cached_property
+    def entry_row(self) -> float:
+        """An entrant's drafter row: shared by the requests drafting now (caught up: they drafted last
+        step), and so is the cold start's, whose request drafts alone."""
+        return self._planner._draft_row(1 + sum(1 for s in self._shapes if s.draft_pending <= _CAUGHT_UP))
 
 
 class _SurvivalStop:
@@ -407,19 +434,15 @@ class AdaptivePlanner:
     def draft_plan(self, requests: Sequence[Request], max_slots: Sequence[int],
                    shapes: Sequence[RequestShape]) -> DraftPlan:
         b = len(requests)
-        price = self.price(requests, shapes)
+        prices = _Prices(self, requests, shapes)
         self._control = self.config.control_share > 0 and b > 0 and bool(self.population.requests) and (
             not self.cost.plain_observations  # the first step after the cold start, until one is measured
             or float(torch.rand(1, generator=self.generator, dtype=torch.float64)) < self.config.control_share)
         if self._control:  # the whole batch decodes target-only (see the module docstring)
-            return _no_draft(b, price, shapes)
-        rate = self.config.min_speedup * self.target_only_rate(shapes)  # what a catch-up must beat
-        # an entrant's rows are shared by the requests drafting now (caught up: they drafted last step);
-        # so are the cold start's, whose request drafts alone
-        entry_row = self._draft_row(1 + sum(1 for s in shapes if s.draft_pending <= _CAUGHT_UP))
-        cold_start = self._cold_start(requests, max_slots, shapes, rate, entry_row)
+            return _no_draft(b, shapes)
+        cold_start = self._cold_start(requests, max_slots, shapes, prices)
         if not cold_start and not any(self._known(self._history(r)) for r in requests):
-            return _no_draft(b, price, shapes)  # nothing known, and learning would not pay: nothing to draw
+            return _no_draft(b, shapes)  # nothing known, and learning would not pay: nothing to draw
         draws = torch.rand(b, generator=self.generator, dtype=torch.float64)  # drawn every step, used or not
         eligible = [m > 0 and s.draft_pending <= _CAUGHT_UP for m, s in zip(max_slots, shapes)]
         explore = (draws < self.exploration_probability(shapes)) & torch.tensor(eligible, dtype=torch.bool) \
@@ -451,25 +474,27 @@ class AdaptivePlanner:
                 h.probing = h.wait == 0
                 continue
             elif shapes[i].draft_pending > _CAUGHT_UP and \
-                    not self._entry_pays(request, shapes[i], len(shapes), rate, entry_row):
+                    not self._entry_pays(request, shapes[i], len(shapes), prices.catch_up, prices.entry_row):
                 h.wait = h.interval  # catching up would not pay: decode target-only, probe later
                 continue
             else:
                 candidates.append(i)
                 reasons[i] = "rule"
             num_slots[i] = m
-        chosen = self._choose_first_slot(requests, candidates, forced, price, shapes)
+        chosen = self._choose_first_slot(requests, candidates, forced, prices, shapes)
         for i in candidates:
             if i not in chosen:  # the no-draft decision: decode target-only for a while
                 num_slots[i] = 0
                 reasons[i] = ""
                 h = self._history(requests[i])
                 h.wait = h.interval
-        stop = _SurvivalStop(self, explore.clone(), price, pending, shapes)
-        return DraftPlan(num_slots, stop, explore, price, tuple(shapes), tuple(reasons))
+        if not any(num_slots):
+            return _no_draft(b, shapes)
+        stop = _SurvivalStop(self, explore.clone(), prices.price, pending, shapes)
+        return DraftPlan(num_slots, stop, explore, prices.price, tuple(shapes), tuple(reasons))
 
     def _cold_start(self, requests: Sequence[Request], max_slots: Sequence[int],
-                    shapes: Sequence[RequestShape], rate: float, draft_row: float) -> list[int]:
+                    shapes: Sequence[RequestShape], prices: _Prices) -> list[int]:
         """With nothing known yet, the one request that drafts: the cheapest catch-up, if learning
         could pay at all (see the module docstring)."""
         if self.population.requests:
@@ -481,7 +506,8 @@ class AdaptivePlanner:
             return []  # (an answer's first tokens are its least predictable: AdaptiveConfig.cold_start_after)
         first = min(ready, key=lambda i: (shapes[i].draft_pending, i))
         remaining = sum(requests[i].remaining for i in unknown)
-        return [first] if self._cold_start_pays(shapes[first], remaining, len(shapes), rate, draft_row) else []
+        return [first] if self._cold_start_pays(shapes[first], remaining, len(shapes), prices.catch_up,
+                                                prices.entry_row) else []
 
     def _cold_start_pays(self, shape: RequestShape, remaining: int, pending: int, rate: float,
                          draft_row: float) -> bool:
@@ -551,13 +577,14 @@ class AdaptivePlanner:
         return True
 
     def _choose_first_slot(self, requests: Sequence[Request], candidates: list[int], forced: list[int],
-                           price: float, shapes: Sequence[RequestShape]) -> set[int]:
+                           prices: _Prices, shapes: Sequence[RequestShape]) -> set[int]:
         """Which candidates draft slot 1, predicted from their recent blocks (no drafter forward
         yet). A candidate's gain is the value of its best block, not of slot 1 alone: the first
         verified slot costs the most (measured costs are not convex), so a myopic slot-1 rule would
         stop requests whose blocks pay."""
         if not candidates:
             return set()
+        price = prices.price
         verify_tokens = sum(s.pending for s in shapes) + len(forced)
         slot_attended = [shapes[i].slot_attended for i in candidates]
         expected = self._predicted_blocks(*self._history_samples([requests[i] for i in candidates])).tolist()
@@ -661,10 +688,13 @@ class AdaptivePlanner:
 
     def plan(self, drafts: DraftBatch, scores: Scores, draft_plan: DraftPlan) -> Plan:
         counts = drafts.num_drafted  # [B]
+        if not drafts.layout.total:  # nothing drafted: nothing to rank or admit
+            shapes = draft_plan.shapes
+            return Plan.of(drafts, counts, self.cost.predict([], draft_plan.pending_tokens,
+                                                             sum(s.attended(0) for s in shapes)))
         explore = draft_plan.explore if draft_plan.explore is not None else torch.zeros_like(counts, dtype=torch.bool)
         admitted = torch.where(explore, counts, torch.zeros_like(counts))  # [B]
-        if drafts.layout.total:  # a step that drafted nothing has nothing to rank
-            self._admit(admitted, scores, draft_plan, counts, explore)
+        self._admit(admitted, scores, draft_plan, counts, explore)
         verify_tokens = draft_plan.pending_tokens + int(admitted.sum())
         verify_attended = sum(s.attended(k) for s, k in zip(draft_plan.shapes, admitted.tolist()))
         return Plan.of(drafts, admitted, self.cost.predict(drafts.forwards, verify_tokens, verify_attended))
@@ -734,14 +764,17 @@ class AdaptivePlanner:
         model predicts for the pending tokens alone) plus the step's extra time split by the
         predicted cost of its drafted and admitted slots."""
         b = len(record.requests)
+        drafted = record.drafts.num_drafted.tolist()
+        if not any(drafted):  # one token each, the step's time split evenly
+            target_only = (self.cost.plain_seconds(record.verify_tokens, record.verify_attended)
+                           + self.cost.overhead) / b
+            return [target_only / max(record.times.total / b, 1e-9)] * b
         pending = record.verify_tokens - int(record.num_admitted.sum())
         pending_attended = record.verify_attended * pending / max(record.verify_tokens, 1)
         target_only = (self.cost.plain_seconds(pending, pending_attended) + self.cost.overhead) / b
-        drafted, admitted = record.drafts.num_drafted.tolist(), record.num_admitted.tolist()
-        weights = [0.0] * b
-        if any(drafted):
-            row, slot = self._draft_row(sum(1 for d in drafted if d)), self.cost.verify_added(pending, 1)
-            weights = [d * row + a * slot for d, a in zip(drafted, admitted)]
+        admitted = record.num_admitted.tolist()
+        row, slot = self._draft_row(sum(1 for d in drafted if d)), self.cost.verify_added(pending, 1)
+        weights = [d * row + a * slot for d, a in zip(drafted, admitted)]
         total_weight = sum(weights)
         extra = record.times.total - b * target_only
         shares = [target_only + extra * (w / total_weight if total_weight > 0 else 1 / b) for w in weights]
