@@ -293,7 +293,9 @@ class AdaptiveConfig:
         every token the request skipped, so probes are paid from a budget that grows by this
         share of each step's measured time; a due probe waits while the budget is in debt, and
         in credit pays its whole price, so probes spend this share and one probe more. Default
-        0.01 (1%): the goal's whole tolerance (2%) went to probes at 0.02 where nothing drafts.
+        0.005 (0.5%): where nothing drafts, what AV costs beside target-only decoding must stay
+        under 2% in all, and at 0.01 probes took about 1.2% of it on chat at concurrency 1 (a
+        probe's catch-up of a refused request's prompt is ~70 drafter tokens); at 0.02, all of it.
     min_speedup: the least speed-up over target-only decoding that drafting must be predicted to
         bring before AV drafts (the floor of the price of compute, as a multiple of the target-only
         rate). Above 1 because predictions err: on the packaged pair, drafting steps' times were
@@ -324,7 +326,7 @@ class AdaptiveConfig:
     exploration: float = 0.01
     probe_interval: int = 8
     max_probe_interval: int = 64
-    probe_share: float = 0.01
+    probe_share: float = 0.005
     min_speedup: float = 1.05
     control_share: float = 0.02
     rate_halflife: float = 16.0
