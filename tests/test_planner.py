@@ -49,7 +49,7 @@ def _decoding_record(batch, drafted, admitted, accepted, seconds):
         drafts = type("D", (), {"forwards": [(len(batch), 0)] * max(drafted, default=0), "num_drafted": torch.tensor(drafted)})()
         num_admitted, num_accepted = torch.tensor(admitted), torch.tensor(accepted)
         verify_tokens, verify_attended = len(batch) + sum(admitted), 0
-        scores = Scores.empty(len(batch))
+        scores, draft_reasons = Scores.empty(len(batch)), ()
     return Record()
 
 
@@ -384,6 +384,38 @@ def test_a_step_in_which_every_request_waits_prices_nothing():
     step = p.plan(drafts_for([0, 0], 4), Scores.empty(2), plan)
     assert step.num_admitted.tolist() == [0, 0] and step.draft_rows.numel() == 0
     assert step.predicted.total == pytest.approx(p.cost.plain_seconds(2, 20) + p.cost.overhead)
+
+
+@pytest.mark.parametrize("halflife", [64.0, 0.0])
+def test_the_first_slot_check_scales_predictions_by_what_the_drafted_slot_turned_out_to_be(halflife):
+    """The rule drafts where a request's past blocks predict a sure slot 1; where the slots it then
+    drafts keep turning out doubtful (their confidence from their own features), predictions are
+    scaled down and the request stops drafting. With the check off (half-life 0) it drafts on."""
+    from specav.types import StageTimes
+
+    p = planner(4, check_halflife=halflife)
+    request = requests(1)[0]
+    p.history[request.request_id] = type(p._history(request))(samples=BlockSamples.of([[3.0] * 4], 100.0))
+    shape = [RequestShape(1, 10)]
+    assert p.draft_plan([request], [4], shape).num_slots == [4]
+    predicted = p.history[request.request_id].first_predicted
+    assert predicted > 0.5 and p.check.ratio == 1.0
+
+    class Record:  # a decoding step in which the rule's slot 1 was drafted with confidence 0.05
+        requests, times, prefill_tokens, max_slots = [request], StageTimes(0.0, 1.0, 1.0), 0, [4]
+        drafts = type("D", (), {"forwards": [(1, 0)], "num_drafted": torch.tensor([1])})()
+        num_admitted, num_accepted = torch.tensor([0]), torch.tensor([0])
+        verify_tokens, verify_attended, draft_reasons = 1, 0, ("rule",)
+        scores = Scores(torch.tensor([[3.0] + [math.nan] * 3]), torch.tensor([[0.05] + [math.nan] * 3]),
+                        torch.tensor([[0.05] + [math.nan] * 3]))
+    for _ in range(20):
+        p.history[request.request_id].first_predicted = predicted  # as the rule predicted it each time
+        p.observe(Record())
+    if halflife:
+        assert p.check.ratio == pytest.approx((20 * 0.05 + 1) / (20 * predicted + 1), rel=0.2)
+        assert p.draft_plan([request], [4], shape).num_slots == [0]
+    else:
+        assert p.check.ratio == 1.0 and p.draft_plan([request], [4], shape).num_slots == [4]
 
 
 def test_a_request_with_confident_history_drafts_and_one_without_does_not():
@@ -754,7 +786,8 @@ def test_drafting_at_all_pays_the_premium_of_a_drafting_step():
 
 
 @pytest.mark.parametrize("field, bad", [("min_speedup", 0.9), ("min_speedup", math.nan), ("control_share", 1.5),
-                                        ("control_share", -0.1), ("exploration", -1.0), ("probe_interval", 0)])
+                                        ("control_share", -0.1), ("exploration", -1.0), ("probe_interval", 0),
+                                        ("check_halflife", -1.0), ("check_halflife", math.nan)])
 def test_adaptive_config_refuses_invalid_knobs_by_name(field, bad):
     with pytest.raises(ValueError, match=field):
         AdaptiveConfig(**{field: bad})

@@ -263,6 +263,36 @@ def block_survival(confidences: torch.Tensor, weights: torch.Tensor, drafted: to
 
 
 @dataclass(slots=True)
+class FirstSlotCheck:
+    """The draft rule's predictions of slot 1 against what the drafted slot 1 turned out to be.
+
+    Before a request's first drafter forward its slot 1 is predicted from its past blocks, and the
+    rule drafts where that prediction is high: over the decisions that drafted, the prediction
+    overstates the slot (regression to the mean under selection; on prose at concurrency 1 the rule
+    drafted at a loss, docs/adaptive.md). What the slot turned out to be is its confidence from its
+    own feature (the estimator's, calibrated against labels), known for every slot 1 drafted, where
+    a label exists only for the slots the trim then admits (those the feature already says are
+    sure). The ratio of the two, summed over recent decisions (decayed by half-life, with one token
+    of evidence for a ratio of 1), scales every block predicted from past blocks. Lossless: it is
+    read before a step's drafts, from earlier steps' drafts."""
+
+    halflife: float  # decisions; 0: no check (the ratio stays 1), math.inf: never forgets
+    predicted: float = 0.0  # decayed sums over decisions of slot 1's predicted confidence ...
+    realized: float = 0.0  # ... and of its confidence once drafted
+    prior: float = 1.0  # tokens of evidence for a ratio of 1
+
+    @property
+    def ratio(self) -> float:
+        return (self.realized + self.prior) / (self.predicted + self.prior)
+
+    def add(self, predicted: float, realized: float) -> None:
+        if self.halflife > 0 and math.isfinite(predicted) and math.isfinite(realized):
+            decay = 0.5 ** (1.0 / self.halflife)
+            self.predicted = self.predicted * decay + predicted
+            self.realized = self.realized * decay + realized
+
+
+@dataclass(slots=True)
 class _History:
     """What the planner remembers of one request between steps."""
 
@@ -272,6 +302,7 @@ class _History:
     probing: bool = False  # its next slot 1 is drafted whatever the rule says (after a wait)
     speedup: float = 1.0  # EMA of its measured rate / its target-only rate (the price of compute)
     measured: int = 0  # decoding steps that EMA has measured
+    first_predicted: float = math.nan  # slot 1's confidence as the draft rule last predicted it (unscaled)
 
 
 def select_prefix(gains: Sequence[float], tokens: Sequence[int], committed_tokens: int, price: float,
@@ -391,6 +422,7 @@ class AdaptivePlanner:
         self.history: dict[str, _History] = {}
         self.population = Population()  # the traffic's drafted blocks, by request (new requests' prior)
         self.probe_budget = 0.0  # seconds of compute probes may still spend (probe_share of measured steps)
+        self.check = FirstSlotCheck(config.check_halflife)  # the draft rule's slot 1, predicted against drafted
         self._control = False  # this step is a control step (the whole batch target-only)
 
     # ---- the price of compute -------------------------------------------------------
@@ -587,7 +619,10 @@ class AdaptivePlanner:
         price = prices.price
         verify_tokens = sum(s.pending for s in shapes) + len(forced)
         slot_attended = [shapes[i].slot_attended for i in candidates]
-        expected = self._predicted_blocks(*self._history_samples([requests[i] for i in candidates])).tolist()
+        survival = self._predicted_survival(*self._history_samples([requests[i] for i in candidates]))
+        for i, s in zip(candidates, survival[:, 0].tolist()):
+            self._history(requests[i]).first_predicted = s
+        expected = self._blocks(survival).tolist()
         waits = [self._wait_value(requests[i]) for i in candidates]
         # nothing forced: the first candidate makes this a drafting step, whose verify costs more; the
         # premium is measured on decoding steps (a prefill teaches neither kind of verify), so it is
@@ -663,11 +698,21 @@ class AdaptivePlanner:
 
     def _predicted_blocks(self, samples: torch.Tensor, weights: torch.Tensor, drafted: torch.Tensor) -> torch.Tensor:
         """Expected accepted tokens of drafting slots 1..n, n = 1..K, per request # [A, K], from
-        samples of its next block (_history_samples) by `block_survival`. The stop rule predicts
-        from one feature per request, standing for all deeper slots, on plain numbers (_SurvivalStop)."""
+        samples of its next block (_history_samples) by `block_survival`, scaled by the first-slot
+        check. The stop rule predicts from one feature per request, standing for all deeper slots,
+        on plain numbers (_SurvivalStop)."""
+        return self._blocks(self._predicted_survival(samples, weights, drafted))
+
+    def _predicted_survival(self, samples: torch.Tensor, weights: torch.Tensor, drafted: torch.Tensor) -> torch.Tensor:
+        """Survival of slots 1..K per request # [A, K] as its past blocks predict it (unscaled)."""
         a, m, k = samples.shape
         confidences = torch.nan_to_num(self.scorer.score(samples.reshape(-1, k)), nan=0.0).reshape(a, m, k)
-        return torch.cumsum(block_survival(confidences, weights, drafted), dim=1)
+        return block_survival(confidences, weights, drafted)
+
+    def _blocks(self, survival: torch.Tensor) -> torch.Tensor:
+        """Expected accepted tokens of blocks of 1..K slots # [A, K] from predicted survival # [A, K],
+        scaled by what predictions of slot 1 have turned out to be (`FirstSlotCheck`)."""
+        return torch.cumsum((survival * self.check.ratio).clamp(max=1.0), dim=1)
 
     def _block_seconds(self, verify_tokens: int, draft_row: float, slot_attended: Sequence[int]) -> list[list[float]]:
         """Seconds that drafting and verifying 1..K slots add to the step, per request # [A][K]
@@ -750,6 +795,8 @@ class AdaptivePlanner:
                 block = [f for f in features[b][:drafted] if not math.isnan(f)]
                 h.samples.add([block], HISTORY_DECAY, HISTORY_BLOCKS)
                 self.population.add(request.request_id, block)
+                if record.draft_reasons and record.draft_reasons[b] == "rule":  # the rule chose it, as predicted
+                    self.check.add(h.first_predicted, float(record.scores.confidences[b, 0]))
             if h.probing and drafted:
                 h.probing = False
                 if drafted >= 2 or drafted >= record.max_slots[b]:
