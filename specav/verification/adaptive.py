@@ -21,8 +21,9 @@ Rules (survival s_i = product of a request's confidences 1..i, architecture.md):
   slot j expects gain g = the value of its best block from slot j on: sum over i = j..n of
   s_{j-1} * c_j * ... * c_i, less the price of its slots past j, maximised over n, where the
   confidences are the estimator's at each position for the request's latest feature (slot
-  j-1's, or for j = 1 its recent blocks and the population's, their survivals averaged: the
-  no-draft decision, BlockSamples). A block, not slot j alone, because the first verified slot
+  j-1's, or for j = 1 its recent blocks and the population's, their survivals averaged and
+  scaled by what such predictions of slot 1 have turned out to be: the no-draft decision,
+  BlockSamples, FirstSlotCheck). A block, not slot j alone, because the first verified slot
   costs more than the next ones and a drafted slot opens the deeper ones: valued alone, slots
   that pay as a block would stop (deeper slots are priced at a row's share of a forward, shared
   by the requests that draft: at slot 1, by those the rule chooses, and for a catch-up, by the
