@@ -149,10 +149,6 @@ class Plan:
     def of(cls, drafts: DraftBatch, num_admitted: torch.Tensor, predicted: StageTimes | None = None) -> "Plan":
         """Admit the first num_admitted[b] drafted slots of each request (# [B] int64)."""
         num_admitted = torch.as_tensor(num_admitted, dtype=torch.int64)
-        if not drafts.layout.total and num_admitted.shape == drafts.num_drafted.shape and \
-                not bool(num_admitted.any()):  # nothing drafted or admitted (most steps where drafts
-            # do not pay): the drafts' empty layout serves the admitted slots too
-            return cls(drafts.layout, drafts.layout.request, drafts.layout.request, predicted)
         if bool((num_admitted > drafts.num_drafted).any()) or bool((num_admitted < 0).any()):
             raise ValueError(f"num_admitted {num_admitted.tolist()} must lie in [0, num_drafted] per request "
                              f"(num_drafted {drafts.num_drafted.tolist()})")

@@ -234,7 +234,6 @@ class OnlineAcceptanceEstimator:
                                       device=self.device)
         self._stats = torch.zeros(len(_STATS), num_slots, dtype=_DTYPE, device=self.device)
         self._pooled = torch.zeros_like(self._stats)
-        self._pending = 0.0  # labels in the statistics since the last refit (their count, _stats[5] summed)
         self._positions = torch.arange(num_slots, device=self.device)
         self.labels_fitted = 0.0  # labels consumed by refits so far (not decayed): the cold-start clock
         self.steps_since_refit = 0
@@ -373,7 +372,6 @@ class OnlineAcceptanceEstimator:
         wf = w * f
         terms = torch.stack((wf * f, wf, w, r * f, r, m))  # [6, B, K]
         self._stats += terms.sum(dim=1)
-        self._pending = float(self._stats[5].sum())
 
     # ---- schedule and refit -----------------------------------------------------------
 
@@ -383,7 +381,8 @@ class OnlineAcceptanceEstimator:
         first = self.config.cold_start_labels
         if first == 0:
             return NextRefit(steps, math.inf)
-        return NextRefit(steps, max(float(first), self.labels_fitted) - self._pending)
+        pending = float(self._stats[5].sum())
+        return NextRefit(steps, max(float(first), self.labels_fitted) - pending)
 
     def _decay(self) -> float:
         """Forgetting factor for the pooled statistics over the steps since the last refit."""
@@ -418,7 +417,6 @@ class OnlineAcceptanceEstimator:
                              step.intercepts, d_slope, d_intercepts, n)
         self.labels_fitted += n_pending
         self._stats.zero_()
-        self._pending = 0.0
         self.steps_since_refit = 0
         self.num_refits += 1
         self.last_refit = result
@@ -486,7 +484,6 @@ class OnlineAcceptanceEstimator:
                 "produced its confidences. Keep replicas in sync (load one state_dict into all "
                 "after each refit) and merge before refitting.")
         self._stats += other._stats.to(self.device)
-        self._pending = float(self._stats[5].sum())
 
     def state_dict(self) -> dict[str, Any]:
         """Parameters, statistics and counters as plain values and tensors (copies)."""
@@ -526,7 +523,6 @@ class OnlineAcceptanceEstimator:
             tensors[key] = value.to(self.device, _DTYPE).clone()
         self._slope, self._intercepts = tensors["slope"], tensors["intercepts"]
         self._stats, self._pooled = tensors["statistics"], tensors["pooled_statistics"]
-        self._pending = float(self._stats[5].sum())
         self.labels_fitted = float(state["labels_fitted"])
         for key in ("steps_since_refit", "total_steps", "num_refits", "num_skipped", "num_changes"):
             setattr(self, key, int(state[key]))

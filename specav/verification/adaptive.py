@@ -734,13 +734,10 @@ class AdaptivePlanner:
 
     def plan(self, drafts: DraftBatch, scores: Scores, draft_plan: DraftPlan) -> Plan:
         counts = drafts.num_drafted  # [B]
-        if not drafts.layout.total:  # nothing drafted: nothing to rank or admit
-            shapes = draft_plan.shapes
-            return Plan.of(drafts, counts, self.cost.predict([], draft_plan.pending_tokens,
-                                                             sum(s.attended(0) for s in shapes)))
         explore = draft_plan.explore if draft_plan.explore is not None else torch.zeros_like(counts, dtype=torch.bool)
         admitted = torch.where(explore, counts, torch.zeros_like(counts))  # [B]
-        self._admit(admitted, scores, draft_plan, counts, explore)
+        if drafts.layout.total:  # a step that drafted nothing has nothing to rank
+            self._admit(admitted, scores, draft_plan, counts, explore)
         verify_tokens = draft_plan.pending_tokens + int(admitted.sum())
         verify_attended = sum(s.attended(k) for s, k in zip(draft_plan.shapes, admitted.tolist()))
         return Plan.of(drafts, admitted, self.cost.predict(drafts.forwards, verify_tokens, verify_attended))
@@ -812,17 +809,14 @@ class AdaptivePlanner:
         model predicts for the pending tokens alone) plus the step's extra time split by the
         predicted cost of its drafted and admitted slots."""
         b = len(record.requests)
-        drafted = record.drafts.num_drafted.tolist()
-        if not any(drafted):  # one token each, the step's time split evenly
-            target_only = (self.cost.plain_seconds(record.verify_tokens, record.verify_attended)
-                           + self.cost.overhead) / b
-            return [target_only / max(record.times.total / b, 1e-9)] * b
         pending = record.verify_tokens - int(record.num_admitted.sum())
         pending_attended = record.verify_attended * pending / max(record.verify_tokens, 1)
         target_only = (self.cost.plain_seconds(pending, pending_attended) + self.cost.overhead) / b
-        admitted = record.num_admitted.tolist()
-        row, slot = self._draft_row(sum(1 for d in drafted if d)), self.cost.verify_added(pending, 1)
-        weights = [d * row + a * slot for d, a in zip(drafted, admitted)]
+        drafted, admitted = record.drafts.num_drafted.tolist(), record.num_admitted.tolist()
+        weights = [0.0] * b
+        if any(drafted):
+            row, slot = self._draft_row(sum(1 for d in drafted if d)), self.cost.verify_added(pending, 1)
+            weights = [d * row + a * slot for d, a in zip(drafted, admitted)]
         total_weight = sum(weights)
         extra = record.times.total - b * target_only
         shares = [target_only + extra * (w / total_weight if total_weight > 0 else 1 / b) for w in weights]
