@@ -104,6 +104,38 @@ def candidate_probs(values: torch.Tensor, ids: torch.Tensor, top_p: torch.Tensor
     return torch_candidate_probs(values, ids, top_p)
 
 
+def draw_top_k(logits: torch.Tensor, temperature: torch.Tensor, k: int, top_p: torch.Tensor, uniforms: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Tails] | None:
+    """scan_rows with tails, candidate_probs and an inverse-CDF draw from each row's candidates, in one
+    native call: rows of logits # [N, V] that share top-k = k, temperature # [N] > 0, top_p # [N],
+    uniforms # [N] float64 (one per row, in [0, 1)).
+
+    Returns ids and probs # [N, k] (as candidate_probs gives them), tokens # [N] int64 (the first
+    candidate, in ascending id order, whose float64 running weight exceeds u * total:
+    verification/sampling.sample's draw), which rows those hold (# [N] bool: false where a row has no
+    distribution or ties at its k-th value beyond k; the caller takes the general path) and the Tails;
+    None where no native library is built. One call instead of four (the per-slot glue cost the
+    drafter about 1 ms a slot in a step, with the caches cold after a forward).
+    """
+    ops = _native_ops()
+    if ops is None or logits.ndim != 2 or not 1 <= k < logits.shape[-1]:
+        return None
+    ids, probs, tokens, ok, gap, tail, moment = ops.draw_top_k(
+        logits.float().contiguous(), temperature.float().contiguous(), k, top_p.float().contiguous(),
+        uniforms.double().contiguous())
+    return ids, probs, tokens, ok, Tails(gap, tail, moment)
+
+
+def top_k_probs(logits: torch.Tensor, temperature: torch.Tensor, k: int, top_p: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """draw_top_k without the draw and the Tails: ids and probs # [N, k] and which rows they hold
+    (# [N] bool), in one native call; None where no native library is built."""
+    ops = _native_ops()
+    if ops is None or logits.ndim != 2 or not 1 <= k < logits.shape[-1]:
+        return None
+    return ops.top_k_probs(logits.float().contiguous(), temperature.float().contiguous(), k, top_p.float().contiguous())
+
+
 def torch_candidate_probs(values: torch.Tensor, ids: torch.Tensor, top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """candidate_probs on torch's ops (the reference, and the path without native kernels)."""
     probs = torch.softmax(values.float(), dim=-1)  # [N, k]

@@ -6,6 +6,7 @@ import torch
 
 from specav.bench import step_overhead
 from specav.config import SamplingParams
+from specav.models import native
 from specav.request import Request
 from specav.verification.sampling_rows import SamplingRows
 
@@ -16,8 +17,11 @@ def test_timed_calls_count_each_call_and_put_the_originals_back():
     seconds, counts = {}, {}
     with step_overhead._timed_calls(seconds, counts):
         rows = SamplingRows.of([request], [1], model="drafter")  # a classmethod, still bound to the class
-        probs, _ = rows.distributions_and_tails(torch.randn(1, 50, generator=torch.Generator().manual_seed(0)))
-    assert counts == {"SamplingRows.of (both models)": 1, "drafter: distributions and tails": 1,
-                      "  scan_rows (both models)": 1, "  candidate_probs (both models)": 1}
-    assert all(s > 0 for s in seconds.values()) and len(probs) == 1
+        probs, _, tokens = rows.draw(torch.randn(1, 50, generator=torch.Generator().manual_seed(0)))
+    # without native kernels draw_top_k declines and the two steps run
+    general = {} if native.available() else {"  distributions_and_tails": 1, "  scan_rows (both models)": 1,
+                                                "  candidate_probs (both models)": 1}
+    assert counts == {"SamplingRows.of (both models)": 1, "drafter: draw (q_i, tails, tokens)": 1,
+                      "  draw_top_k (one native call)": 1, **general}
+    assert all(s > 0 for s in seconds.values()) and len(probs) == 1 and tokens.shape == (1,)
     assert {name: owner.__dict__[name] for _, owner, name in step_overhead._CALLS} == before

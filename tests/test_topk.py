@@ -220,3 +220,59 @@ def test_candidate_probs_nucleus_keeps_ties_and_one_token():
         e = torch.tensor([1.0, 1.0]).exp().tolist()  # the two tied at 1.0 both stay, the 0.0 goes
         assert got[0].tolist() == pytest.approx([0.0, 1 / (2 + e[0]), 1 / (2 + e[0]), e[0] / (2 + e[0])])
         assert got[1].tolist() == pytest.approx([0.0, 0.0, 1.0, 0.0])  # at least the most probable token
+
+
+def _drawn_by_steps(ops, x: torch.Tensor, t: torch.Tensor, k: int, top_p: torch.Tensor, u: torch.Tensor):
+    """What draw_top_k fuses, by its parts: scan_rows with tails, candidate_probs, and
+    sampling.sample's inverse CDF over the candidates with the same uniforms."""
+    from specav.token_probs import TokenProbs
+    from specav.verification import sampling
+
+    values, indices, _, _, second, tail, moment = ops.scan_rows(x, t, k, True)
+    ids, probs = ops.candidate_probs(values, indices, top_p)
+    tokens = sampling.sample(TokenProbs(probs, ids, x.shape[1]), [None] * len(x), u)
+    return ids, probs, tokens, second - values[:, 0], tail, moment
+
+
+def test_native_draw_equals_its_parts_bit_for_bit(native_ops):
+    """On vocabulary rows: the same candidates, probabilities, tokens and tails as the three calls it
+    fuses, and rows it cannot answer (no distribution, a tie at the k-th value beyond k) flagged."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(8, 151_936, generator=g) * 3
+    x[2, 7] = float("nan")
+    x[3, :] = -float("inf")
+    x[4, [10, 20, 30]] = 40.0  # the 2nd and 3rd largest tie: k = 2 cuts through them
+    t = torch.tensor([0.7, 1.0, 0.7, 0.7, 0.7, 1.3, 0.05, 0.7])
+    top_p = torch.tensor([0.8, 1.0, 0.8, 0.8, 0.8, 0.3, 0.9, 0.999])
+    u = torch.rand(8, generator=g, dtype=torch.float64)
+    u[7] = 1.0 - 2**-53  # u * total can round up to the total
+    for k in (2, 20, 64):
+        ids, probs, tokens, ok, gap, tail, moment = native_ops.draw_top_k(x, t, k, top_p, u)
+        assert ok.tolist() == [True, True, False, False, k != 2, True, True, True]
+        ref = _drawn_by_steps(native_ops, x[ok], t[ok], k, top_p[ok], u[ok])
+        for got, want in zip((ids[ok], probs[ok], tokens[ok], gap[ok], tail[ok], moment[ok]), ref):
+            assert torch.equal(got, want)
+        same_ids, same_probs, same_ok = native_ops.top_k_probs(x, t, k, top_p)  # without the draw and tails
+        assert torch.equal(same_ok, ok) and torch.equal(same_ids[ok], ids[ok]) and torch.equal(same_probs[ok], probs[ok])
+        assert bool((probs[ok].gather(1, (ids[ok] == tokens[ok, None]).int().argmax(1, keepdim=True)) > 0).all())
+
+
+@settings(max_examples=60, deadline=None)
+@given(rows=st.integers(1, 4), v=st.integers(3, 3000), data=st.data())
+def test_native_draw_equals_its_parts_on_any_shape(rows, v, data):
+    if not native.available():
+        pytest.skip(native.unavailable_reason())
+    ops = native.ops()
+    k = data.draw(st.integers(1, min(v - 1, 64)))
+    g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31 - 1)))
+    x = torch.randn(rows, v, generator=g) * data.draw(st.sampled_from([0.1, 3.0, 30.0]))
+    if data.draw(st.booleans()):
+        x = (x * 2).round() / 2  # ties
+    t = torch.tensor(data.draw(st.lists(st.sampled_from([0.5, 1.0, 2.0]), min_size=rows, max_size=rows)))
+    top_p = torch.tensor(data.draw(st.lists(st.sampled_from([0.1, 0.5, 0.8, 1.0]), min_size=rows, max_size=rows)))
+    u = torch.rand(rows, generator=g, dtype=torch.float64)
+    ids, probs, tokens, ok, gap, tail, moment = ops.draw_top_k(x, t, k, top_p, u)
+    assert torch.equal(ok, ops.scan_rows(x, t, k, False)[2] == k)  # untied (every row here has a distribution)
+    ref = _drawn_by_steps(ops, x[ok], t[ok], k, top_p[ok], u[ok])
+    for got, want in zip((ids[ok], probs[ok], tokens[ok], gap[ok], tail[ok], moment[ok]), ref):
+        assert torch.equal(got, want)

@@ -203,6 +203,14 @@ def compute_slot_features(logits: torch.Tensor, probs: torch.Tensor | TokenProbs
     return features
 
 
+def logit_q_max_from_tails(tails: Tails, clamp: float = DEFAULT_CLAMP) -> torch.Tensor:
+    """features_from_tails' logit(q_max) alone, -log S clamped (# [N], the dtype of tails.gap): what a
+    stop rule reads of each slot while the drafter drafts."""
+    with np.errstate(divide="ignore", invalid="ignore"):  # S = 0 (one finite logit): +clamp
+        logit = np.clip(-np.log(tails.tail.double().numpy()), -clamp, clamp)
+    return torch.from_numpy(logit).to(tails.gap.dtype)
+
+
 def features_from_tails(tails: Tails, probs: torch.Tensor | TokenProbs, token_ids: torch.Tensor,
                         clamp: float = DEFAULT_CLAMP) -> SlotFeatures:
     """Every feature of N slots from their Tails (the drafter gets them from the scan that samples
@@ -218,12 +226,11 @@ def features_from_tails(tails: Tails, probs: torch.Tensor | TokenProbs, token_id
     rest, moment = tails.tail.double().numpy(), tails.moment.double().numpy()  # S, sum_j exp(z_j - m) (z_j - m)
     gap = tails.gap.double().numpy()
     total = 1.0 + rest
-    with np.errstate(divide="ignore", invalid="ignore"):  # S = 0 (one finite logit): +clamp; NaN rows stay NaN
-        logit = np.clip(-np.log(rest), -clamp, clamp)
+    with np.errstate(divide="ignore", invalid="ignore"):  # NaN rows stay NaN
         entropy_ = np.log1p(rest) - moment / total
     dtype = tails.gap.dtype
     return SlotFeatures(
-        logit_q_max=torch.from_numpy(logit).to(dtype),
+        logit_q_max=logit_q_max_from_tails(tails, clamp),
         q_max=torch.from_numpy(1.0 / total).to(dtype),
         entropy=torch.from_numpy(entropy_).to(dtype),
         top2_margin=torch.from_numpy((1.0 - np.exp(gap)) / total).to(dtype),

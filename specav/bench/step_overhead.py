@@ -25,7 +25,7 @@ import torch
 
 from specav import topk
 from specav.config import EngineConfig, SamplingParams, SpeculativeConfig
-from specav.drafting import DraftModelDrafter, draft_model
+from specav.drafting import DraftModelDrafter
 from specav.engine.engine import Engine, eos_token_ids
 from specav.evaluation.workloads import load_workload
 from specav.models import load_checkpoint
@@ -55,10 +55,12 @@ class _ForwardTimer:
 # The per-slot calls `--calls` times: label, owner, attribute (where the step looks them up).
 _CALLS = (
     ("SamplingRows.of (both models)", SamplingRows, "of"),
-    ("drafter: distributions and tails", SamplingRows, "distributions_and_tails"),
+    ("drafter: draw (q_i, tails, tokens)", SamplingRows, "draw"),
+    ("  draw_top_k (one native call)", sampling, "draw_top_k"),
+    ("  distributions_and_tails", SamplingRows, "distributions_and_tails"),
     ("  scan_rows (both models)", sampling, "scan_rows"),
     ("  candidate_probs (both models)", sampling, "candidate_probs"),
-    ("drafter: sample", draft_model, "sample"),
+    ("verifier: top_k_distributions", sampling, "top_k_distributions"),
     ("drafter: features", DraftModelDrafter, "_features"),
 )
 

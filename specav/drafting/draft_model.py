@@ -17,12 +17,13 @@ Must not know: the target model, rejection sampling or the planner.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 
-from specav.acceptance.features import features_from_tails
+from specav.acceptance.features import features_from_tails, logit_q_max_from_tails
 from specav.drafting.base import StopRule, register
 from specav.models.kv_cache import KVCache
 from specav.models.packed import PackedCausalLM
@@ -30,7 +31,6 @@ from specav.request import Request
 from specav.token_probs import TokenProbs
 from specav.topk import Tails
 from specav.types import AcceptResult, DraftBatch, Ragged, attended
-from specav.verification.sampling import sample
 from specav.verification.sampling_rows import SamplingRows
 
 FEATURE_NAMES = ("logit_q_max", "q_max", "entropy", "top2_margin", "q_sampled", "q_max_truncated")
@@ -71,9 +71,10 @@ class DraftModelDrafter:
         if k == 0:  # nobody drafts this step: nothing to feed (skipped tokens stay pending)
             return DraftBatch.empty(b, self.model.vocab_size, FEATURE_NAMES)
         drafts: list[list[int]] = [[] for _ in range(b)]  # per request, its draft tokens so far
-        slot_values: list[torch.Tensor] = []  # per forward, its rows' features # [F, A], F = len(FEATURE_NAMES)
         slot_active: list[list[int]] = []  # per forward, the requests it drafted for
         slot_probs: list[TokenProbs] = []  # per forward, q_i of the requests it drafted for
+        slot_tails: list[Tails] = []  # per forward, the Tails of its rows (what their features read)
+        slot_tokens: list[torch.Tensor] = []  # per forward, its rows' draft tokens # [A]
         slot_rows: list[list[int]] = [[] for _ in range(b)]  # per request, its q_i rows in slot_probs' rows
         slot_hidden: list[list[torch.Tensor]] = [[] for _ in range(b)]
         states = [self._state(r) for r in requests]
@@ -89,12 +90,11 @@ class DraftModelDrafter:
             out = self.model.forward(feed, [states[i].cache for i in active], [1] * len(active))
             rows = SamplingRows.of([requests[i] for i in active], [1] * len(active), [drafts[i] for i in active],
                                    model="drafter")
-            probs, tails = rows.distributions_and_tails(out.logits)  # A rows
-            tokens = sample(probs, rows.generators)  # [A]
-            slot_features = self._features(tails, probs, tokens)
-            slot_values.append(torch.stack([slot_features[n].float() for n in FEATURE_NAMES]))
+            probs, tails, tokens = rows.draw(out.logits)  # A rows, tokens # [A]
             slot_active.append(active)
             slot_probs.append(probs)
+            slot_tails.append(tails)
+            slot_tokens.append(tokens)
             for j, (i, token) in enumerate(zip(active, tokens.tolist())):
                 drafts[i].append(token)
                 slot_rows[i].append(first_row + j)
@@ -105,18 +105,21 @@ class DraftModelDrafter:
             first_row += len(active)
             keep = [i for i in active if num_slots[i] > slot + 1]
             if stop_rule is not None and keep:
+                slot_features = _SlotFeatures(tails, lambda t=tails, p=probs, x=tokens: self._features(t, p, x),
+                                              self.feature_clamp)
                 more = stop_rule.keep_drafting(slot, active, slot_features).tolist()
                 keep = [i for i, go in zip(active, more) if go and num_slots[i] > slot + 1]
             active = keep
         order = [r for per in slot_rows for r in per]  # request-major, as DraftBatch.layout says
-        probs = TokenProbs.cat(slot_probs, self.model.vocab_size)
+        probs = TokenProbs.cat(slot_probs, self.model.vocab_size)  # slot-major
+        features = self._features(Tails.cat(slot_tails), probs, torch.cat(slot_tokens))  # every slot's, in one call
         if order != list(range(len(order))):
             probs = probs.rows(torch.tensor(order, dtype=torch.int64))
         flat_hidden = [h for per in slot_hidden for h in per]
         drafted = [len(d) for d in drafts]
         width = max(drafted, default=0)
         token_ids = torch.tensor([d + [-1] * (width - len(d)) for d in drafts], dtype=torch.int64).reshape(b, width)
-        return DraftBatch(token_ids, Ragged.of(drafted), probs, _feature_table(slot_values, slot_active, b, width),
+        return DraftBatch(token_ids, Ragged.of(drafted), probs, _feature_table(features, slot_active, b, width),
                           torch.stack(flat_hidden) if flat_hidden else None, forwards)
 
     def pending_tokens(self, requests: Sequence[Request]) -> list[int]:
@@ -149,13 +152,39 @@ class DraftModelDrafter:
         self._states.pop(request.request_id, None)
 
 
-def _feature_table(slot_values: list[torch.Tensor], slot_active: list[list[int]], b: int, width: int
+def _feature_table(features: dict[str, torch.Tensor], slot_active: list[list[int]], b: int, width: int
                    ) -> dict[str, torch.Tensor]:
-    """Each feature # [B, width] (NaN where not drafted) from the forwards' [F, A] values: one
-    scatter for the step instead of one per feature and forward."""
+    """Each feature # [B, width] (NaN where not drafted) from every drafted row's, slot-major (each # [S]):
+    one scatter for the step instead of one per feature and forward."""
     table = torch.full((len(FEATURE_NAMES), b, width), float("nan"))
-    if slot_values:
+    if slot_active:
         rows = [i for active in slot_active for i in active]
         slots = [s for s, active in enumerate(slot_active) for _ in active]
-        table[:, rows, slots] = torch.cat(slot_values, dim=1)
+        table[:, rows, slots] = torch.stack([features[name].float() for name in FEATURE_NAMES])
     return {name: table[f] for f, name in enumerate(FEATURE_NAMES)}
+
+
+class _SlotFeatures(Mapping):
+    """One slot's features (each # [A]) as the stop rule reads them, each computed when first read:
+    logit(q_max) alone from the Tails (what rules read), the others all at once by `every()`. The
+    step's feature table computes every slot's in one call after the last slot."""
+
+    def __init__(self, tails: Tails, every: Callable[[], dict[str, torch.Tensor]], clamp: float) -> None:
+        self._tails, self._every, self._clamp = tails, every, clamp
+        self._values: dict[str, torch.Tensor] = {}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self._values:
+            if name == "logit_q_max":
+                self._values[name] = logit_q_max_from_tails(self._tails, self._clamp)
+            elif name in FEATURE_NAMES:
+                self._values.update(self._every())
+            else:
+                raise KeyError(name)
+        return self._values[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(FEATURE_NAMES)
+
+    def __len__(self) -> int:
+        return len(FEATURE_NAMES)

@@ -31,6 +31,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from specav import topk
 from specav.token_probs import TokenProbs
 from specav.topk import RowScan, Tails, candidate_probs, nucleus_in_sorted, row_tails, scan_rows
 
@@ -224,12 +225,14 @@ def _top_k_candidate_probs(scan: RowScan, top_p: torch.Tensor) -> tuple[torch.Te
     return ids, probs, scan.at_least == scan.values.shape[1]
 
 
-def sample(probs: torch.Tensor | TokenProbs, generators: Sequence[torch.Generator]) -> torch.Tensor:
+def sample(probs: torch.Tensor | TokenProbs, generators: Sequence[torch.Generator],
+           uniforms: torch.Tensor | None = None) -> torch.Tensor:
     """One token per row, drawn with that row's generator (rows of one request may share one).
 
     probs:      # [N, V] float32 or a TokenProbs of N rows: non-negative weights with positive sum
                 (need not be normalised)
     generators: N generators on probs' device; each row draws one float64 uniform, in row order
+    uniforms:   # [N] float64, those uniforms drawn already (`draw_uniforms(generators)`), or None
     returns:    # [N] int64
 
     Inverse CDF in float64: row n yields the first token whose cumulative weight exceeds
@@ -251,13 +254,13 @@ def sample(probs: torch.Tensor | TokenProbs, generators: Sequence[torch.Generato
         return torch.zeros(0, dtype=torch.int64)
     if isinstance(probs, TokenProbs):
         if probs.ids is not None:
-            return _sample_candidates(probs, generators)
+            return _sample_candidates(probs, generators, uniforms)
         probs = probs.probs
     cumulative = _block_sums(probs).cumsum(-1)  # [N, blocks] float64
     totals = cumulative[:, -1]  # [N]
     if not (torch.isfinite(totals).all() and (totals > 0).all() and probs.min() >= 0):
         raise ValueError("sample: every row needs finite, non-negative weights with a positive sum")
-    u = _uniforms(generators)  # [N], in row order
+    u = uniforms if uniforms is not None else draw_uniforms(generators)  # [N], in row order
     threshold = (u * totals)[:, None]  # [N, 1]
     block = torch.searchsorted(cumulative, threshold, right=True)  # [N, 1]: the first block past it
     overflow = block[:, 0] >= cumulative.shape[1]  # u * total rounded up to the total
@@ -278,7 +281,8 @@ def sample(probs: torch.Tensor | TokenProbs, generators: Sequence[torch.Generato
     return tokens
 
 
-def _sample_candidates(probs: TokenProbs, generators: Sequence[torch.Generator]) -> torch.Tensor:
+def _sample_candidates(probs: TokenProbs, generators: Sequence[torch.Generator],
+                       uniforms: torch.Tensor | None) -> torch.Tensor:
     """`sample` of rows carried as candidates: the inverse CDF over each row's W candidates, in numpy
     (N x W values: numpy's ops cost a few us where torch's cost tens in a step)."""
     weights = probs.probs.double().numpy()  # [N, W]
@@ -286,7 +290,7 @@ def _sample_candidates(probs: TokenProbs, generators: Sequence[torch.Generator])
     totals = cumulative[:, -1]
     if not (np.isfinite(totals).all() and (totals > 0).all() and (weights >= 0).all()):
         raise ValueError("sample: every row needs finite, non-negative weights with a positive sum")
-    u = np.array([torch.rand(1, generator=g, dtype=torch.float64).item() for g in generators])  # row order
+    u = (uniforms if uniforms is not None else draw_uniforms(generators)).numpy()  # row order
     offset = (cumulative <= (u * totals)[:, None]).sum(-1)  # searchsorted(right): entries <= the threshold
     short = offset >= weights.shape[1]  # u * total rounded up to the total: the last weighted candidate
     if short.any():
@@ -295,9 +299,42 @@ def _sample_candidates(probs: TokenProbs, generators: Sequence[torch.Generator])
     return probs.ids.gather(1, torch.from_numpy(offset)[:, None]).squeeze(1)
 
 
-def _uniforms(generators: Sequence[torch.Generator]) -> torch.Tensor:
-    """One float64 uniform per row from its generator, in row order # [N]."""
-    return torch.cat([torch.rand(1, generator=g, dtype=torch.float64) for g in generators])
+def draw_uniforms(generators: Sequence[torch.Generator]) -> torch.Tensor:
+    """One float64 uniform per row from its generator, in row order # [N]: what `sample` draws."""
+    return torch.tensor([torch.rand(1, generator=g, dtype=torch.float64).item() for g in generators],
+                        dtype=torch.float64)
+
+
+def top_k_distributions(logits: torch.Tensor, temperature: torch.Tensor, k: int, top_p: torch.Tensor
+                        ) -> TokenProbs | None:
+    """processed_distributions of rows that share top-k = k (0 < k <= _SPARSE_TOP_K, k < V) and a
+    positive temperature: the same candidates and probabilities, from one native call
+    (topk.top_k_probs). None where that call cannot answer (no native library, a row without a
+    distribution or tied at its k-th value): the caller takes the general path."""
+    if not 0 < k <= _SPARSE_TOP_K:
+        return None
+    rows = topk.top_k_probs(logits, temperature, k, top_p)
+    if rows is None or not all(rows[2].tolist()):
+        return None
+    ids, probs, _ = rows
+    return TokenProbs(probs, ids, logits.shape[-1])
+
+
+def draw_top_k(logits: torch.Tensor, temperature: torch.Tensor, k: int, top_p: torch.Tensor,
+               uniforms: torch.Tensor) -> tuple[TokenProbs, Tails, torch.Tensor] | None:
+    """distributions_and_tails, then `sample` with the given uniforms, of rows as top_k_distributions
+    takes them: the same candidates, probabilities, Tails and tokens, from one native call
+    (topk.draw_top_k); None where it cannot answer, as there (the caller takes the general path
+    with the same uniforms)."""
+    if not 0 < k <= _SPARSE_TOP_K:
+        return None
+    drawn = topk.draw_top_k(logits, temperature, k, top_p, uniforms)
+    if drawn is None:
+        return None
+    ids, probs, tokens, ok, tails = drawn
+    if not all(ok.tolist()):
+        return None
+    return TokenProbs(probs, ids, logits.shape[-1]), tails, tokens
 
 
 _SAMPLE_BLOCK = 1024  # tokens per block of sample's first level

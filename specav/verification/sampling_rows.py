@@ -69,8 +69,16 @@ class SamplingRows:
                    list(rows_per_request), drafts, model)
 
     def distributions(self, logits: torch.Tensor) -> TokenProbs:
-        """logits # [N, V] -> processed distributions, N rows (rows of failed requests: uniform)."""
-        return self._distributions(logits, tails=False)[0]
+        """logits # [N, V] -> processed distributions, N rows (rows of failed requests: uniform). Where
+        every row has a positive temperature, the same top-k and no transforms (most traffic), one
+        native call (sampling.top_k_distributions); else, or where it declines a row, the general path."""
+        k = self._shared_top_k(logits.shape[-1])
+        probs = sampling.top_k_distributions(logits, self.temperature, k, self.top_p) if k else None
+        if probs is None:
+            return self._distributions(logits, tails=False)[0]
+        if self.model == "target":
+            self._keep_logprobs(logits)
+        return probs
 
     def distributions_and_tails(self, logits: torch.Tensor) -> tuple[TokenProbs, Tails]:
         """distributions and, from the same scan, the Tails of the transformed, temperature-scaled,
@@ -78,6 +86,30 @@ class SamplingRows:
         probs, tails = self._distributions(logits, tails=True)
         assert tails is not None
         return probs, tails
+
+    def draw(self, logits: torch.Tensor) -> tuple[TokenProbs, Tails, torch.Tensor]:
+        """distributions_and_tails and one token per row, drawn as sampling.sample draws it: one
+        uniform per row from its generator in row order (drawn first, so both paths below use the
+        same), the inverse CDF of the row's distribution. Where every row has a positive temperature,
+        the same top-k and no transforms (most traffic), one native call (sampling.draw_top_k); else,
+        or where that call declines a row, the two steps."""
+        uniforms = sampling.draw_uniforms(self.generators)
+        k = self._shared_top_k(logits.shape[-1])
+        drawn = sampling.draw_top_k(logits, self.temperature, k, self.top_p, uniforms) if k else None
+        if drawn is not None:
+            if self.model == "target":
+                self._keep_logprobs(logits)
+            return drawn
+        probs, tails = self.distributions_and_tails(logits)
+        return probs, tails, sampling.sample(probs, self.generators, uniforms)
+
+    def _shared_top_k(self, vocab: int) -> int:
+        """The top_k every row shares where each has a positive temperature and no transforms, else 0."""
+        params = [r.params for r, n in zip(self.requests, self.counts) if n]
+        k = params[0].top_k if params else 0
+        if 0 < k < vocab and all(p.top_k == k and p.temperature > 0 and not p.has_transforms for p in params):
+            return k
+        return 0
 
     def _distributions(self, logits: torch.Tensor, tails: bool) -> tuple[TokenProbs, Tails | None]:
         if self.model == "target":

@@ -315,6 +315,80 @@ std::tuple<at::Tensor, at::Tensor> candidate_probs(const at::Tensor& values, con
   return {ids, probs};
 }
 
+// The first candidate whose float64 running sum (in the row's order: ascending ids) exceeds
+// u * total, the inverse CDF of sampling._sample_candidates with the same sums, products and
+// comparisons; where u * total rounds up to the total, the last candidate with weight.
+int64_t inverse_cdf(const float* probs, int64_t k, double u) {
+  std::vector<double> cumulative(k);
+  double sum = 0.0;
+  for (int64_t j = 0; j < k; ++j) cumulative[j] = sum += static_cast<double>(probs[j]);
+  const double threshold = u * cumulative[k - 1];
+  int64_t offset = 0;
+  for (int64_t j = 0; j < k; ++j) offset += cumulative[j] <= threshold;
+  if (offset < k) return offset;
+  for (int64_t j = k - 1; j > 0; --j)
+    if (probs[j] > 0.0f) return j;
+  return 0;
+}
+
+// Rows sharing top-k = k in one call: scan_rows (with tails where asked), candidate_probs of each
+// row's k largest and, where uniforms are given (float64 in [0, 1), one per row), one token per row
+// drawn from them: what sampling.distributions(_and_tails), then sampling.sample, give for such rows.
+//   draw_top_k(x, t, k, top_p, uniforms) -> (ids, probs, tokens, ok, gap, tail, moment)
+//   top_k_probs(x, t, k, top_p) -> (ids, probs, ok)
+// ids / probs # [N, k] as candidate_probs gives them, tokens # [N] int64, tail / moment as scan_rows
+// gives them and gap # [N] its second largest less the largest (topk.Tails.gap, float32); ok # [N]
+// bool is false where the row has no distribution or its k-th value ties with entries beyond k (the
+// caller takes the general path: that row's other outputs mean nothing).
+using TopKRows = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+
+TopKRows top_k_rows(const at::Tensor& x, const at::Tensor& temperature, int64_t k, const at::Tensor& top_p,
+                    const at::Tensor* uniforms, bool tails) {
+  TORCH_CHECK(top_p.dim() == 1 && top_p.size(0) == x.size(0) && top_p.scalar_type() == at::kFloat,
+              "top_p must be a float32 vector of one value per row");
+  TORCH_CHECK(!uniforms || (uniforms->dim() == 1 && uniforms->size(0) == x.size(0) && uniforms->scalar_type() == at::kDouble),
+              "uniforms must be a float64 vector of one value per row");
+  const auto [values, indices, at_least, bad, second, tail, moment] = scan_rows(x, temperature, k, tails);
+  const int64_t n = x.size(0);
+  // Filled row by row below (no ATen op is dispatched: each costs tens of microseconds with the
+  // caches cold after a forward, more than this whole loop).
+  auto probs = at::empty({n, k}, x.options());
+  auto ids = at::empty({n, k}, x.options().dtype(at::kLong));
+  auto tokens = at::empty({uniforms ? n : 0}, x.options().dtype(at::kLong));
+  auto ok = at::empty({n}, x.options().dtype(at::kBool));
+  auto gap = at::empty({tails ? n : 0}, x.options());
+  const at::Tensor tp = top_p.contiguous();
+  for (int64_t r = 0; r < n; ++r) {
+    float* pr = probs.data_ptr<float>() + r * k;
+    int64_t* ir = ids.data_ptr<int64_t>() + r * k;
+    const float* vr = values.data_ptr<float>() + r * k;
+    const bool good = !bad.data_ptr<bool>()[r] && at_least.data_ptr<int64_t>()[r] == k;
+    ok.data_ptr<bool>()[r] = good;
+    if (tails) gap.data_ptr<float>()[r] = second.data_ptr<float>()[r] - vr[0];
+    if (!good) {
+      std::fill_n(pr, k, 0.0f);
+      std::fill_n(ir, k, int64_t{0});
+      if (uniforms) tokens.data_ptr<int64_t>()[r] = -1;
+      continue;
+    }
+    candidate_row(vr, indices.data_ptr<int64_t>() + r * k, k, static_cast<double>(tp.data_ptr<float>()[r]), pr, ir);
+    if (uniforms) tokens.data_ptr<int64_t>()[r] = ir[inverse_cdf(pr, k, uniforms->data_ptr<double>()[r])];
+  }
+  return {ids, probs, tokens, ok, gap, tail, moment};
+}
+
+TopKRows draw_top_k(const at::Tensor& x, const at::Tensor& temperature, int64_t k, const at::Tensor& top_p,
+                    const at::Tensor& uniforms) {
+  const at::Tensor u = uniforms.contiguous();
+  return top_k_rows(x, temperature, k, top_p, &u, true);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> top_k_probs(const at::Tensor& x, const at::Tensor& temperature, int64_t k,
+                                                           const at::Tensor& top_p) {
+  const auto rows = top_k_rows(x, temperature, k, top_p, nullptr, false);
+  return {std::get<0>(rows), std::get<1>(rows), std::get<3>(rows)};
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> top_two_tail(const at::Tensor& z) {
   TORCH_CHECK(z.dim() == 2 && z.scalar_type() == at::kFloat && z.is_contiguous(), "z must be a contiguous [N, V] float32 tensor");
   const auto scan = scan_rows(z, at::ones({z.size(0)}, z.options()), 2, true);
@@ -333,6 +407,8 @@ SPECAV_FRAGMENT(m) {
   m.def("top_two_tail(Tensor z) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("candidate_probs(Tensor values, Tensor indices, Tensor top_p) -> (Tensor, Tensor)");
   m.def("scan_rows(Tensor x, Tensor temperature, int k, bool tails) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def("draw_top_k(Tensor x, Tensor temperature, int k, Tensor top_p, Tensor uniforms) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def("top_k_probs(Tensor x, Tensor temperature, int k, Tensor top_p) -> (Tensor, Tensor, Tensor)");
 }
 
 SPECAV_IMPL(m) {
@@ -340,4 +416,6 @@ SPECAV_IMPL(m) {
   m.impl("top_two_tail", &top_two_tail);
   m.impl("scan_rows", &scan_rows);
   m.impl("candidate_probs", &candidate_probs);
+  m.impl("draw_top_k", &draw_top_k);
+  m.impl("top_k_probs", &top_k_probs);
 }
