@@ -17,6 +17,7 @@ Must not know: models, requests, sampling parameters beyond temperature and top-
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
@@ -104,11 +105,11 @@ def candidate_probs(values: torch.Tensor, ids: torch.Tensor, top_p: torch.Tensor
     return torch_candidate_probs(values, ids, top_p)
 
 
-def draw_top_k(logits: torch.Tensor, temperature: torch.Tensor, k: int, top_p: torch.Tensor, uniforms: torch.Tensor
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Tails] | None:
+def draw_top_k(logits: torch.Tensor, temperature: Sequence[float], k: int, top_p: Sequence[float],
+               uniforms: Sequence[float]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Tails] | None:
     """scan_rows with tails, candidate_probs and an inverse-CDF draw from each row's candidates, in one
-    native call: rows of logits # [N, V] that share top-k = k, temperature # [N] > 0, top_p # [N],
-    uniforms # [N] float64 (one per row, in [0, 1)).
+    native call: rows of logits # [N, V] that share top-k = k, with per row a temperature > 0, a top_p
+    (both as their float32 tensors hold them) and a uniform in [0, 1).
 
     Returns ids and probs # [N, k] (as candidate_probs gives them), tokens # [N] int64 (the first
     candidate, in ascending id order, whose float64 running weight exceeds u * total:
@@ -120,20 +121,19 @@ def draw_top_k(logits: torch.Tensor, temperature: torch.Tensor, k: int, top_p: t
     ops = _native_ops()
     if ops is None or logits.ndim != 2 or not 1 <= k < logits.shape[-1]:
         return None
-    ids, probs, tokens, ok, gap, tail, moment = ops.draw_top_k(
-        logits.float().contiguous(), temperature.float().contiguous(), k, top_p.float().contiguous(),
-        uniforms.double().contiguous())
+    ids, probs, tokens, ok, gap, tail, moment = ops.draw_top_k(logits.float().contiguous(), temperature, k, top_p,
+                                                                uniforms)
     return ids, probs, tokens, ok, Tails(gap, tail, moment)
 
 
-def top_k_probs(logits: torch.Tensor, temperature: torch.Tensor, k: int, top_p: torch.Tensor
+def top_k_probs(logits: torch.Tensor, temperature: Sequence[float], k: int, top_p: Sequence[float]
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """draw_top_k without the draw and the Tails: ids and probs # [N, k] and which rows they hold
     (# [N] bool), in one native call; None where no native library is built."""
     ops = _native_ops()
     if ops is None or logits.ndim != 2 or not 1 <= k < logits.shape[-1]:
         return None
-    return ops.top_k_probs(logits.float().contiguous(), temperature.float().contiguous(), k, top_p.float().contiguous())
+    return ops.top_k_probs(logits.float().contiguous(), temperature, k, top_p)
 
 
 def torch_candidate_probs(values: torch.Tensor, ids: torch.Tensor, top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

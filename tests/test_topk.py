@@ -230,7 +230,7 @@ def _drawn_by_steps(ops, x: torch.Tensor, t: torch.Tensor, k: int, top_p: torch.
 
     values, indices, _, _, second, tail, moment = ops.scan_rows(x, t, k, True)
     ids, probs = ops.candidate_probs(values, indices, top_p)
-    tokens = sampling.sample(TokenProbs(probs, ids, x.shape[1]), [None] * len(x), u)
+    tokens = sampling.sample(TokenProbs(probs, ids, x.shape[1]), [None] * len(x), u.tolist())
     return ids, probs, tokens, second - values[:, 0], tail, moment
 
 
@@ -242,17 +242,17 @@ def test_native_draw_equals_its_parts_bit_for_bit(native_ops):
     x[2, 7] = float("nan")
     x[3, :] = -float("inf")
     x[4, [10, 20, 30]] = 40.0  # the 2nd and 3rd largest tie: k = 2 cuts through them
-    t = torch.tensor([0.7, 1.0, 0.7, 0.7, 0.7, 1.3, 0.05, 0.7])
+    t = torch.tensor([0.7, 1.0, 0.7, 0.7, 0.7, 1.3, 0.05, 0.7])  # float32: the lists below carry their roundings
     top_p = torch.tensor([0.8, 1.0, 0.8, 0.8, 0.8, 0.3, 0.9, 0.999])
     u = torch.rand(8, generator=g, dtype=torch.float64)
     u[7] = 1.0 - 2**-53  # u * total can round up to the total
     for k in (2, 20, 64):
-        ids, probs, tokens, ok, gap, tail, moment = native_ops.draw_top_k(x, t, k, top_p, u)
+        ids, probs, tokens, ok, gap, tail, moment = native_ops.draw_top_k(x, t.tolist(), k, top_p.tolist(), u.tolist())
         assert ok.tolist() == [True, True, False, False, k != 2, True, True, True]
         ref = _drawn_by_steps(native_ops, x[ok], t[ok], k, top_p[ok], u[ok])
         for got, want in zip((ids[ok], probs[ok], tokens[ok], gap[ok], tail[ok], moment[ok]), ref):
             assert torch.equal(got, want)
-        same_ids, same_probs, same_ok = native_ops.top_k_probs(x, t, k, top_p)  # without the draw and tails
+        same_ids, same_probs, same_ok = native_ops.top_k_probs(x, t.tolist(), k, top_p.tolist())  # no draw, no tails
         assert torch.equal(same_ok, ok) and torch.equal(same_ids[ok], ids[ok]) and torch.equal(same_probs[ok], probs[ok])
         assert bool((probs[ok].gather(1, (ids[ok] == tokens[ok, None]).int().argmax(1, keepdim=True)) > 0).all())
 
@@ -271,7 +271,7 @@ def test_native_draw_equals_its_parts_on_any_shape(rows, v, data):
     t = torch.tensor(data.draw(st.lists(st.sampled_from([0.5, 1.0, 2.0]), min_size=rows, max_size=rows)))
     top_p = torch.tensor(data.draw(st.lists(st.sampled_from([0.1, 0.5, 0.8, 1.0]), min_size=rows, max_size=rows)))
     u = torch.rand(rows, generator=g, dtype=torch.float64)
-    ids, probs, tokens, ok, gap, tail, moment = ops.draw_top_k(x, t, k, top_p, u)
+    ids, probs, tokens, ok, gap, tail, moment = ops.draw_top_k(x, t.tolist(), k, top_p.tolist(), u.tolist())
     assert torch.equal(ok, ops.scan_rows(x, t, k, False)[2] == k)  # untied (every row here has a distribution)
     ref = _drawn_by_steps(ops, x[ok], t[ok], k, top_p[ok], u[ok])
     for got, want in zip((ids[ok], probs[ok], tokens[ok], gap[ok], tail[ok], moment[ok]), ref):

@@ -226,13 +226,13 @@ def _top_k_candidate_probs(scan: RowScan, top_p: torch.Tensor) -> tuple[torch.Te
 
 
 def sample(probs: torch.Tensor | TokenProbs, generators: Sequence[torch.Generator],
-           uniforms: torch.Tensor | None = None) -> torch.Tensor:
+           uniforms: Sequence[float] | None = None) -> torch.Tensor:
     """One token per row, drawn with that row's generator (rows of one request may share one).
 
     probs:      # [N, V] float32 or a TokenProbs of N rows: non-negative weights with positive sum
                 (need not be normalised)
     generators: N generators on probs' device; each row draws one float64 uniform, in row order
-    uniforms:   # [N] float64, those uniforms drawn already (`draw_uniforms(generators)`), or None
+    uniforms:   N floats, those uniforms drawn already (`draw_uniforms(generators)`), or None
     returns:    # [N] int64
 
     Inverse CDF in float64: row n yields the first token whose cumulative weight exceeds
@@ -260,7 +260,7 @@ def sample(probs: torch.Tensor | TokenProbs, generators: Sequence[torch.Generato
     totals = cumulative[:, -1]  # [N]
     if not (torch.isfinite(totals).all() and (totals > 0).all() and probs.min() >= 0):
         raise ValueError("sample: every row needs finite, non-negative weights with a positive sum")
-    u = uniforms if uniforms is not None else draw_uniforms(generators)  # [N], in row order
+    u = torch.tensor(uniforms if uniforms is not None else draw_uniforms(generators), dtype=torch.float64)  # [N]
     threshold = (u * totals)[:, None]  # [N, 1]
     block = torch.searchsorted(cumulative, threshold, right=True)  # [N, 1]: the first block past it
     overflow = block[:, 0] >= cumulative.shape[1]  # u * total rounded up to the total
@@ -282,7 +282,7 @@ def sample(probs: torch.Tensor | TokenProbs, generators: Sequence[torch.Generato
 
 
 def _sample_candidates(probs: TokenProbs, generators: Sequence[torch.Generator],
-                       uniforms: torch.Tensor | None) -> torch.Tensor:
+                       uniforms: Sequence[float] | None) -> torch.Tensor:
     """`sample` of rows carried as candidates: the inverse CDF over each row's W candidates, in numpy
     (N x W values: numpy's ops cost a few us where torch's cost tens in a step)."""
     weights = probs.probs.double().numpy()  # [N, W]
@@ -290,7 +290,7 @@ def _sample_candidates(probs: TokenProbs, generators: Sequence[torch.Generator],
     totals = cumulative[:, -1]
     if not (np.isfinite(totals).all() and (totals > 0).all() and (weights >= 0).all()):
         raise ValueError("sample: every row needs finite, non-negative weights with a positive sum")
-    u = (uniforms if uniforms is not None else draw_uniforms(generators)).numpy()  # row order
+    u = np.array(uniforms if uniforms is not None else draw_uniforms(generators))  # row order
     offset = (cumulative <= (u * totals)[:, None]).sum(-1)  # searchsorted(right): entries <= the threshold
     short = offset >= weights.shape[1]  # u * total rounded up to the total: the last weighted candidate
     if short.any():
@@ -299,13 +299,12 @@ def _sample_candidates(probs: TokenProbs, generators: Sequence[torch.Generator],
     return probs.ids.gather(1, torch.from_numpy(offset)[:, None]).squeeze(1)
 
 
-def draw_uniforms(generators: Sequence[torch.Generator]) -> torch.Tensor:
-    """One float64 uniform per row from its generator, in row order # [N]: what `sample` draws."""
-    return torch.tensor([torch.rand(1, generator=g, dtype=torch.float64).item() for g in generators],
-                        dtype=torch.float64)
+def draw_uniforms(generators: Sequence[torch.Generator]) -> list[float]:
+    """One float64 uniform per row from its generator, in row order: what `sample` draws."""
+    return [torch.rand(1, generator=g, dtype=torch.float64).item() for g in generators]
 
 
-def top_k_distributions(logits: torch.Tensor, temperature: torch.Tensor, k: int, top_p: torch.Tensor
+def top_k_distributions(logits: torch.Tensor, temperature: Sequence[float], k: int, top_p: Sequence[float]
                         ) -> TokenProbs | None:
     """processed_distributions of rows that share top-k = k (0 < k <= _SPARSE_TOP_K, k < V) and a
     positive temperature: the same candidates and probabilities, from one native call
@@ -320,8 +319,8 @@ def top_k_distributions(logits: torch.Tensor, temperature: torch.Tensor, k: int,
     return TokenProbs(probs, ids, logits.shape[-1])
 
 
-def draw_top_k(logits: torch.Tensor, temperature: torch.Tensor, k: int, top_p: torch.Tensor,
-               uniforms: torch.Tensor) -> tuple[TokenProbs, Tails, torch.Tensor] | None:
+def draw_top_k(logits: torch.Tensor, temperature: Sequence[float], k: int, top_p: Sequence[float],
+               uniforms: Sequence[float]) -> tuple[TokenProbs, Tails, torch.Tensor] | None:
     """distributions_and_tails, then `sample` with the given uniforms, of rows as top_k_distributions
     takes them: the same candidates, probabilities, Tails and tokens, from one native call
     (topk.draw_top_k); None where it cannot answer, as there (the caller takes the general path

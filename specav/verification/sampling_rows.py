@@ -42,9 +42,9 @@ log = logging.getLogger("specav")
 
 @dataclass(slots=True)
 class SamplingRows:
-    temperature: torch.Tensor  # [N] float32
-    top_k: torch.Tensor  # [N] int64
-    top_p: torch.Tensor  # [N] float32
+    temperature: list[float]  # [N]
+    top_k: list[int]  # [N]
+    top_p: list[float]  # [N]
     generators: list[torch.Generator]  # [N], each request's own generator on each of its rows
     requests: list[Request]  # [B]
     starts: list[int]  # [B] first row of each request
@@ -64,9 +64,7 @@ class SamplingRows:
             top_p += [p.top_p] * n
             generators += [request.generator] * n
         drafts = [list(d) for d in draft_tokens] if draft_tokens is not None else [[] for _ in requests]
-        return cls(torch.tensor(temperature, dtype=torch.float32), torch.tensor(top_k, dtype=torch.int64),
-                   torch.tensor(top_p, dtype=torch.float32), generators, list(requests), starts,
-                   list(rows_per_request), drafts, model)
+        return cls(temperature, top_k, top_p, generators, list(requests), starts, list(rows_per_request), drafts, model)
 
     def distributions(self, logits: torch.Tensor) -> TokenProbs:
         """logits # [N, V] -> processed distributions, N rows (rows of failed requests: uniform). Where
@@ -117,11 +115,13 @@ class SamplingRows:
         transformed = self.transformed(logits)
         process = (sampling.distributions_and_tails if tails
                    else lambda *args: (sampling.processed_distributions(*args), None))
+        params = (torch.tensor(self.temperature, dtype=torch.float32), torch.tensor(self.top_k, dtype=torch.int64),
+                  torch.tensor(self.top_p, dtype=torch.float32))  # [N] each
         try:
-            return process(transformed, self.temperature, self.top_k, self.top_p)
+            return process(transformed, *params)
         except NonFiniteLogitsError as e:
             transformed = self._fail_rows(transformed, e.rows)
-            return process(transformed, self.temperature, self.top_k, self.top_p)
+            return process(transformed, *params)
 
     # ---- per-request transforms ------------------------------------------------------------
 

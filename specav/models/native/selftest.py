@@ -121,14 +121,14 @@ def check_top_k(ops, gen: np.random.Generator) -> None:
     if not torch.equal(ids, ref_ids):
         raise AssertionError("candidate_probs: its ids differ from torch's")
     torch.testing.assert_close(probs, ref_probs, rtol=1e-5, atol=1e-7)
-    top_p, uniforms = torch.tensor([0.8, 1.0, 0.5]), torch.tensor([0.3, 0.9, 0.5], dtype=torch.float64)
-    ids, probs, tokens, ok, _, tail, _ = ops.draw_top_k(x, t.clamp(min=0.5), 5, top_p, uniforms)
-    ref_ids, ref_probs = ops.candidate_probs(*ops.scan_rows(x, t.clamp(min=0.5), 5, False)[:2], top_p)
+    top_p, t_drawn = torch.tensor([0.8, 1.0, 0.5]), t.clamp(min=0.5)
+    ids, probs, tokens, ok, _, tail, _ = ops.draw_top_k(x, t_drawn.tolist(), 5, top_p.tolist(), [0.3, 0.9, 0.5])
+    ref_ids, ref_probs = ops.candidate_probs(*ops.scan_rows(x, t_drawn, 5, False)[:2], top_p)
     if ok.tolist() != [True, False, True] or not torch.equal(ids[ok], ref_ids[ok]) or not torch.equal(probs[ok], ref_probs[ok]):
         raise AssertionError("draw_top_k: its candidates differ from scan_rows' and candidate_probs'")
     if not all(t in row for t, row in zip(tokens[ok].tolist(), ids[ok].tolist())):
         raise AssertionError("draw_top_k: a token outside its row's candidates")
-    if not torch.equal(ops.top_k_probs(x, t.clamp(min=0.5), 5, top_p)[1][ok], probs[ok]):
+    if not torch.equal(ops.top_k_probs(x, t_drawn.tolist(), 5, top_p.tolist())[1][ok], probs[ok]):
         raise AssertionError("top_k_probs: differs from draw_top_k")
     values, _, tail, moment = ops.top_two_tail(x)
     ref_values, _, ref_tail, ref_moment = torch_top_two_tail(x)

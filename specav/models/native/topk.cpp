@@ -164,10 +164,9 @@ void tail_row(const float* x, int64_t v, float t, float m, int64_t skip, float k
 // What scan_rows gives (see the top); second, tail and moment are empty without tails.
 using Scan = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
-Scan scan_rows(const at::Tensor& x, const at::Tensor& temperature, int64_t k, bool tails) {
+// scan_rows with each row's temperature at tp[row].
+Scan scan(const at::Tensor& x, const float* tp, int64_t k, bool tails) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be a contiguous [N, V] float32 tensor");
-  TORCH_CHECK(temperature.dim() == 1 && temperature.size(0) == x.size(0) && temperature.scalar_type() == at::kFloat,
-              "temperature must be a float32 vector of one value per row");
   const int64_t n = x.size(0), v = x.size(1);
   TORCH_CHECK(k >= 1 && k <= v, "k must be in [1, V = ", v, "], got ", k);
   TORCH_CHECK(!tails || v >= 2, "the tail sums need V >= 2, got ", v);
@@ -180,9 +179,7 @@ Scan scan_rows(const at::Tensor& x, const at::Tensor& temperature, int64_t k, bo
   auto second = at::empty({with}, x.options());
   auto tail = at::empty({with}, x.options().dtype(at::kDouble));
   auto moment = at::empty({with}, x.options().dtype(at::kDouble));
-  const at::Tensor t = temperature.contiguous();
   const float* xp = x.data_ptr<float>();
-  const float* tp = t.data_ptr<float>();
   float* vp = values.data_ptr<float>();
   int64_t* ip = indices.data_ptr<int64_t>();
   int64_t* cp = at_least.data_ptr<int64_t>();
@@ -267,6 +264,13 @@ Scan scan_rows(const at::Tensor& x, const at::Tensor& temperature, int64_t k, bo
   return {values, indices, at_least, bad, second, tail, moment};
 }
 
+Scan scan_rows(const at::Tensor& x, const at::Tensor& temperature, int64_t k, bool tails) {
+  TORCH_CHECK(temperature.dim() == 1 && temperature.size(0) == x.size(0) && temperature.scalar_type() == at::kFloat,
+              "temperature must be a float32 vector of one value per row");
+  const at::Tensor t = temperature.contiguous();
+  return scan(x, t.data_ptr<float>(), k, tails);
+}
+
 // processed probabilities of top-k candidates (topk.torch_candidate_probs is the reference): softmax over a row's k values, then the nucleus (the smallest prefix whose mass
 // before the last token is < top_p, at least one token, plus every token tied with its last), then
 // the row sorted by token id.
@@ -332,24 +336,27 @@ int64_t inverse_cdf(const float* probs, int64_t k, double u) {
 }
 
 // Rows sharing top-k = k in one call: scan_rows (with tails where asked), candidate_probs of each
-// row's k largest and, where uniforms are given (float64 in [0, 1), one per row), one token per row
-// drawn from them: what sampling.distributions(_and_tails), then sampling.sample, give for such rows.
-//   draw_top_k(x, t, k, top_p, uniforms) -> (ids, probs, tokens, ok, gap, tail, moment)
-//   top_k_probs(x, t, k, top_p) -> (ids, probs, ok)
+// row's k largest and, where uniforms are given (in [0, 1), one per row), one token per row drawn
+// from them: what sampling.distributions(_and_tails), then sampling.sample, give for such rows. The
+// rows' parameters come as lists (building tensors of them cost more than the rest of a slot's glue):
+// temperature and top_p are rounded to float32 first, as the tensors of the general path hold them.
+//   draw_top_k(x, temperature, k, top_p, uniforms) -> (ids, probs, tokens, ok, gap, tail, moment)
+//   top_k_probs(x, temperature, k, top_p) -> (ids, probs, ok)
 // ids / probs # [N, k] as candidate_probs gives them, tokens # [N] int64, tail / moment as scan_rows
 // gives them and gap # [N] its second largest less the largest (topk.Tails.gap, float32); ok # [N]
 // bool is false where the row has no distribution or its k-th value ties with entries beyond k (the
 // caller takes the general path: that row's other outputs mean nothing).
 using TopKRows = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
-TopKRows top_k_rows(const at::Tensor& x, const at::Tensor& temperature, int64_t k, const at::Tensor& top_p,
-                    const at::Tensor* uniforms, bool tails) {
-  TORCH_CHECK(top_p.dim() == 1 && top_p.size(0) == x.size(0) && top_p.scalar_type() == at::kFloat,
-              "top_p must be a float32 vector of one value per row");
-  TORCH_CHECK(!uniforms || (uniforms->dim() == 1 && uniforms->size(0) == x.size(0) && uniforms->scalar_type() == at::kDouble),
-              "uniforms must be a float64 vector of one value per row");
-  const auto [values, indices, at_least, bad, second, tail, moment] = scan_rows(x, temperature, k, tails);
+TopKRows top_k_rows(const at::Tensor& x, at::ArrayRef<double> temperature, int64_t k, at::ArrayRef<double> top_p,
+                    const at::ArrayRef<double>* uniforms, bool tails) {
   const int64_t n = x.size(0);
+  TORCH_CHECK(static_cast<int64_t>(temperature.size()) == n && static_cast<int64_t>(top_p.size()) == n,
+              "temperature and top_p need one value per row");
+  TORCH_CHECK(!uniforms || static_cast<int64_t>(uniforms->size()) == n, "uniforms need one value per row");
+  std::vector<float> t(n);
+  for (int64_t r = 0; r < n; ++r) t[r] = static_cast<float>(temperature[r]);
+  const auto [values, indices, at_least, bad, second, tail, moment] = scan(x, t.data(), k, tails);
   // Filled row by row below (no ATen op is dispatched: each costs tens of microseconds with the
   // caches cold after a forward, more than this whole loop).
   auto probs = at::empty({n, k}, x.options());
@@ -357,7 +364,6 @@ TopKRows top_k_rows(const at::Tensor& x, const at::Tensor& temperature, int64_t 
   auto tokens = at::empty({uniforms ? n : 0}, x.options().dtype(at::kLong));
   auto ok = at::empty({n}, x.options().dtype(at::kBool));
   auto gap = at::empty({tails ? n : 0}, x.options());
-  const at::Tensor tp = top_p.contiguous();
   for (int64_t r = 0; r < n; ++r) {
     float* pr = probs.data_ptr<float>() + r * k;
     int64_t* ir = ids.data_ptr<int64_t>() + r * k;
@@ -371,20 +377,19 @@ TopKRows top_k_rows(const at::Tensor& x, const at::Tensor& temperature, int64_t 
       if (uniforms) tokens.data_ptr<int64_t>()[r] = -1;
       continue;
     }
-    candidate_row(vr, indices.data_ptr<int64_t>() + r * k, k, static_cast<double>(tp.data_ptr<float>()[r]), pr, ir);
-    if (uniforms) tokens.data_ptr<int64_t>()[r] = ir[inverse_cdf(pr, k, uniforms->data_ptr<double>()[r])];
+    candidate_row(vr, indices.data_ptr<int64_t>() + r * k, k, static_cast<double>(static_cast<float>(top_p[r])), pr, ir);
+    if (uniforms) tokens.data_ptr<int64_t>()[r] = ir[inverse_cdf(pr, k, (*uniforms)[r])];
   }
   return {ids, probs, tokens, ok, gap, tail, moment};
 }
 
-TopKRows draw_top_k(const at::Tensor& x, const at::Tensor& temperature, int64_t k, const at::Tensor& top_p,
-                    const at::Tensor& uniforms) {
-  const at::Tensor u = uniforms.contiguous();
-  return top_k_rows(x, temperature, k, top_p, &u, true);
+TopKRows draw_top_k(const at::Tensor& x, at::ArrayRef<double> temperature, int64_t k, at::ArrayRef<double> top_p,
+                    at::ArrayRef<double> uniforms) {
+  return top_k_rows(x, temperature, k, top_p, &uniforms, true);
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> top_k_probs(const at::Tensor& x, const at::Tensor& temperature, int64_t k,
-                                                           const at::Tensor& top_p) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> top_k_probs(const at::Tensor& x, at::ArrayRef<double> temperature, int64_t k,
+                                                           at::ArrayRef<double> top_p) {
   const auto rows = top_k_rows(x, temperature, k, top_p, nullptr, false);
   return {std::get<0>(rows), std::get<1>(rows), std::get<3>(rows)};
 }
@@ -407,8 +412,8 @@ SPECAV_FRAGMENT(m) {
   m.def("top_two_tail(Tensor z) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("candidate_probs(Tensor values, Tensor indices, Tensor top_p) -> (Tensor, Tensor)");
   m.def("scan_rows(Tensor x, Tensor temperature, int k, bool tails) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
-  m.def("draw_top_k(Tensor x, Tensor temperature, int k, Tensor top_p, Tensor uniforms) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
-  m.def("top_k_probs(Tensor x, Tensor temperature, int k, Tensor top_p) -> (Tensor, Tensor, Tensor)");
+  m.def("draw_top_k(Tensor x, float[] temperature, int k, float[] top_p, float[] uniforms) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def("top_k_probs(Tensor x, float[] temperature, int k, float[] top_p) -> (Tensor, Tensor, Tensor)");
 }
 
 SPECAV_IMPL(m) {
