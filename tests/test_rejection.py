@@ -12,6 +12,8 @@ Two layers of evidence:
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import functools
 from collections import Counter, defaultdict
 from dataclasses import dataclass
@@ -22,6 +24,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+from specav.models import native
 from specav.token_probs import TokenProbs
 from specav.types import Ragged
 from specav.verification import rejection
@@ -389,8 +392,9 @@ def test_fast_sampler_matches_exact_distributions(sampler):
 
 @FORMS
 def test_a_broken_sampler_fails_the_same_test(monkeypatch, sampler):
-    """Negative control: recovered tokens drawn from p_i instead of the residual."""
-    monkeypatch.setattr(rejection, "_residual_weights", lambda p, q: p)
+    """Negative control: recovered tokens drawn from p_i instead of the residual (a guard that
+    takes every residual for empty: both the torch path and the native call read it)."""
+    monkeypatch.setattr(rejection, "RESIDUAL_EPS", 2.0)
     batch = make_batch(NUM_ADMITTED)
     outputs = sampled_outputs(batch, TRIALS, sampler)
     for b, k in enumerate(NUM_ADMITTED):
@@ -412,6 +416,36 @@ def test_fast_equals_reference_draw_for_draw(params, sampler):
         assert fast.num_accepted.dtype == torch.int64
         for tokens, n in zip(fast.output_tokens, fast.num_accepted.tolist()):
             assert len(tokens) == n + 1
+
+
+def test_candidate_rows_take_one_native_call_with_the_same_draws(monkeypatch):
+    """q and p as candidates: native/rejection.cpp where built, draw for draw what the torch path
+    gives (with requests sharing a generator, and a guard that catches a residual of mass ~0)."""
+    if not native.available():
+        pytest.skip(native.unavailable_reason())
+    batch = make_batch([2, 0, 3, 1, 4], seed=5, params=Params(0.7, 3, 0.9))
+    q, p, counts = torch.cat(batch.q), torch.cat(batch.p), [2, 0, 3, 1, 4]
+    p[3] = q[2]  # slot 3 of request 2 (its first slot): p = q, the residual's mass is 0
+    calls = []
+    original = native.ops().rejection_candidates
+    monkeypatch.setattr(rejection, "_native_ops", lambda: SimpleNamespace(
+        rejection_candidates=lambda *a: calls.append(1) or original(*a)))
+    for seed in range(200):
+        drafts = sample(q, [torch.Generator().manual_seed(seed)] * q.shape[0])
+        shared = seed % 2 == 0  # every request on one generator, or each on its own
+        gens = lambda: [torch.Generator().manual_seed(seed + (0 if shared else b)) for b in range(len(counts))]
+        generators = gens()
+        if shared:
+            generators = [generators[0]] * len(counts)
+        fast = rejection_sample(drafts, as_candidates(q), as_candidates(p), Ragged.of(counts), generators)
+        with monkeypatch.context() as torch_path:
+            torch_path.setattr(rejection, "_native_ops", lambda: None)
+            generators = gens()
+            if shared:
+                generators = [generators[0]] * len(counts)
+            slow = rejection_sample(drafts, as_candidates(q), as_candidates(p), Ragged.of(counts), generators)
+        assert fast.output_tokens == slow.output_tokens and torch.equal(fast.num_accepted, slow.num_accepted)
+    assert len(calls) == 200
 
 
 def test_fast_equals_reference_when_requests_share_a_generator():

@@ -48,7 +48,7 @@ import torch
 
 from specav.token_probs import TokenProbs
 from specav.types import AcceptResult, Ragged
-from specav.verification.sampling import categorical, sample
+from specav.verification.sampling import categorical, draw_uniforms, sample
 
 RESIDUAL_EPS = 1e-6  # residual mass below which the recovered token is drawn from p_i
 
@@ -65,13 +65,22 @@ def rejection_sample(
 
     Rows carried as candidates (TokenProbs) are used as they are: p_i(x) and q_i(x) are looked up
     among a row's candidates, and the residual max(0, p - q) lives on p's candidates, since it is
-    zero wherever p is."""
+    zero wherever p is. Where both q and p are candidates and the native library is built, one
+    native call (native/rejection.cpp) follows the same steps with the same uniforms."""
     q, p = TokenProbs.of(draft_probs), TokenProbs.of(target_probs)
     counts = _check_inputs(draft_token_ids, q, p, admitted, generators)
     uniforms = _draw_uniforms(counts, generators)  # [S], draw order phase 1
-    num_accepted = _count_accepted(draft_token_ids, q, p, uniforms, admitted)  # [B]
-    weights = _last_token_weights(q, p, num_accepted, admitted)  # B rows
-    last_tokens = sample(weights, generators).tolist()  # draw order phase 2
+    ops = _native_ops() if q.ids is not None and p.ids is not None else None
+    if ops is not None:  # the same rule in one call (native/rejection.cpp)
+        num_accepted, last = ops.rejection_candidates(
+            draft_token_ids.to(torch.int64).contiguous(), q.ids.contiguous(), q.probs.float().contiguous(),
+            p.ids.contiguous(), p.probs.float().contiguous(), counts, uniforms, draw_uniforms(generators),
+            RESIDUAL_EPS)  # draw order phase 2: one uniform per request
+        last_tokens = last.tolist()
+    else:
+        num_accepted = _count_accepted(draft_token_ids, q, p, uniforms, admitted)  # [B]
+        weights = _last_token_weights(q, p, num_accepted, admitted)  # B rows
+        last_tokens = sample(weights, generators).tolist()  # draw order phase 2
 
     drafts, starts = draft_token_ids.tolist(), admitted.starts.tolist()
     output_tokens = [drafts[d:d + n] + [t] for d, n, t in zip(starts, num_accepted.tolist(), last_tokens)]
@@ -180,3 +189,10 @@ def _check_inputs(draft_token_ids: torch.Tensor, draft_probs: TokenProbs, target
     if len(generators) != B:
         raise ValueError(f"got {len(generators)} generators for B = {B} requests; pass one per request")
     return counts
+
+
+def _native_ops():
+    """The native kernels' ops, or None where none is built (results are the same either way)."""
+    from specav.models import native
+
+    return native.ops() if native.available() else None

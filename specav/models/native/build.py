@@ -38,7 +38,7 @@ import torch
 from specav.models.native.variants import Variant
 
 HERE = Path(__file__).parent
-SOURCES = tuple(HERE / name for name in ("kquant.cpp", "quantize.cpp", "layers.cpp", "decoder.cpp", "topk.cpp"))
+SOURCES = tuple(HERE / name for name in ("kquant.cpp", "quantize.cpp", "layers.cpp", "decoder.cpp", "topk.cpp", "rejection.cpp"))
 HEADERS = tuple(HERE / name for name in ("common.h", "ops.h", "kquant_avx2.h", "kquant_avx512.h"))
 # -fopenmp: the kernels split their work with OpenMP (torch's intra-op threads); the library
 # then needs libgomp.so.1, which torch has already loaded.

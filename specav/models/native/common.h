@@ -1,4 +1,5 @@
-// Helpers shared by the native kernels (kquant.cpp, quantize.cpp, layers.cpp, decoder.cpp, topk.cpp), for every variant.
+// Helpers shared by the native kernels (kquant.cpp, quantize.cpp, layers.cpp, decoder.cpp, topk.cpp,
+// rejection.cpp), for every variant.
 //
 // Each variant (native/variants.py) compiles the same sources with its own instruction-set flags
 // and its own op namespace, -DSPECAV_NS=<namespace>, so several variants can be loaded into one
