@@ -55,6 +55,21 @@ inline __m256 exp8(__m256 x) {
   return _mm256_mul_ps(e, _mm256_castsi256_ps(pow2));
 }
 
+// Inverse CDF over w non-negative weights (verification/sampling.py's `sample` of candidate rows):
+// the first index whose float64 running sum exceeds u * total (u in [0, 1)); where u * total rounds
+// up to the total, the last index with weight. The total must be positive.
+inline int64_t inverse_cdf(const float* weights, int64_t w, double u) {
+  double total = 0.0;
+  for (int64_t j = 0; j < w; ++j) total += static_cast<double>(weights[j]);
+  const double threshold = u * total;
+  double sum = 0.0;
+  for (int64_t j = 0; j < w; ++j)
+    if ((sum += static_cast<double>(weights[j])) > threshold) return j;
+  for (int64_t j = w - 1; j > 0; --j)
+    if (weights[j] > 0.0f) return j;
+  return 0;
+}
+
 inline float f16_to_f32(const uint8_t* p) {
   uint16_t h;
   std::memcpy(&h, p, 2);

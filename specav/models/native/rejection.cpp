@@ -32,22 +32,6 @@ inline float lookup(const int64_t* ids, const float* probs, int64_t w, int64_t t
   return 0.0f;
 }
 
-// sampling._sample_candidates for one row of w weights: the first whose running float64 sum exceeds
-// u * total; where u * total rounds up to the total, the last with weight.
-int64_t inverse_cdf(const float* weights, int64_t w, double u) {
-  std::vector<double> cumulative(w);
-  double sum = 0.0;
-  for (int64_t j = 0; j < w; ++j) cumulative[j] = sum += static_cast<double>(weights[j]);
-  TORCH_CHECK(w > 0 && std::isfinite(sum) && sum > 0.0, "rejection_candidates: a last-token row without weight");
-  const double threshold = u * sum;
-  int64_t offset = 0;
-  for (int64_t j = 0; j < w; ++j) offset += cumulative[j] <= threshold;
-  if (offset < w) return offset;
-  for (int64_t j = w - 1; j > 0; --j)
-    if (weights[j] > 0.0f) return j;
-  return 0;
-}
-
 std::tuple<at::Tensor, at::Tensor> rejection_candidates(const at::Tensor& x, const at::Tensor& q_ids, const at::Tensor& q_probs,
                                                         const at::Tensor& p_ids, const at::Tensor& p_probs,
                                                         at::IntArrayRef counts, const at::Tensor& uniforms,
@@ -99,7 +83,10 @@ std::tuple<at::Tensor, at::Tensor> rejection_candidates(const at::Tensor& x, con
       if (static_cast<float>(mass) > static_cast<float>(residual_eps)) weights = residual.data();  // as torch compares
     }
     num_accepted.data_ptr<int64_t>()[b] = n;
-    last_tokens.data_ptr<int64_t>()[b] = pi[row * wp + inverse_cdf(weights, wp, last_uniforms[b])];
+    double total = 0.0;
+    for (int64_t j = 0; j < wp; ++j) total += weights[j];
+    TORCH_CHECK(wp > 0 && std::isfinite(total) && total > 0.0, "rejection_candidates: a last-token row without weight");
+    last_tokens.data_ptr<int64_t>()[b] = pi[row * wp + specav_native::inverse_cdf(weights, wp, last_uniforms[b])];
     d += k;
   }
   TORCH_CHECK(d == s, "counts must sum to S");

@@ -319,22 +319,6 @@ std::tuple<at::Tensor, at::Tensor> candidate_probs(const at::Tensor& values, con
   return {ids, probs};
 }
 
-// The first candidate whose float64 running sum (in the row's order: ascending ids) exceeds
-// u * total, the inverse CDF of sampling._sample_candidates with the same sums, products and
-// comparisons; where u * total rounds up to the total, the last candidate with weight.
-int64_t inverse_cdf(const float* probs, int64_t k, double u) {
-  std::vector<double> cumulative(k);
-  double sum = 0.0;
-  for (int64_t j = 0; j < k; ++j) cumulative[j] = sum += static_cast<double>(probs[j]);
-  const double threshold = u * cumulative[k - 1];
-  int64_t offset = 0;
-  for (int64_t j = 0; j < k; ++j) offset += cumulative[j] <= threshold;
-  if (offset < k) return offset;
-  for (int64_t j = k - 1; j > 0; --j)
-    if (probs[j] > 0.0f) return j;
-  return 0;
-}
-
 // Rows sharing top-k = k in one call: scan_rows (with tails where asked), candidate_probs of each
 // row's k largest and, where uniforms are given (in [0, 1), one per row), one token per row drawn
 // from them: what sampling.distributions(_and_tails), then sampling.sample, give for such rows. The
@@ -378,7 +362,7 @@ TopKRows top_k_rows(const at::Tensor& x, at::ArrayRef<double> temperature, int64
       continue;
     }
     candidate_row(vr, indices.data_ptr<int64_t>() + r * k, k, static_cast<double>(static_cast<float>(top_p[r])), pr, ir);
-    if (uniforms) tokens.data_ptr<int64_t>()[r] = ir[inverse_cdf(pr, k, (*uniforms)[r])];
+    if (uniforms) tokens.data_ptr<int64_t>()[r] = ir[specav_native::inverse_cdf(pr, k, (*uniforms)[r])];
   }
   return {ids, probs, tokens, ok, gap, tail, moment};
 }
