@@ -91,8 +91,10 @@ class DraftBatch:
     def empty(cls, batch: int, vocab_size: int, features: Sequence[str] = ()) -> "DraftBatch":
         """A step in which no request drafts (target-only decoding, and most adaptive steps where
         drafts do not pay): no slots and no forwards; each named feature # [B, 0]."""
-        return cls(torch.full((batch, 0), -1, dtype=torch.int64), Ragged.of([0] * batch),
-                   TokenProbs.dense(torch.zeros(0, vocab_size)), {name: torch.zeros(batch, 0) for name in features})
+        no_rows = TokenProbs(torch.zeros(0, 0), torch.zeros(0, 0, dtype=torch.int64), vocab_size)  # as candidates:
+        # with p as candidates too, verification takes the rejection sampler's native call
+        return cls(torch.full((batch, 0), -1, dtype=torch.int64), Ragged.of([0] * batch), no_rows,
+                   {name: torch.zeros(batch, 0) for name in features})
 
     @property
     def num_drafted(self) -> torch.Tensor:  # [B] int64

@@ -26,7 +26,7 @@ from scipy.stats import chisquare
 
 from specav.models import native
 from specav.token_probs import TokenProbs
-from specav.types import Ragged
+from specav.types import DraftBatch, Ragged
 from specav.verification import rejection
 from specav.verification.rejection import rejection_sample, rejection_sample_reference, residual_probs
 from specav.verification.sampling import processed_probs, sample
@@ -446,6 +446,23 @@ def test_candidate_rows_take_one_native_call_with_the_same_draws(monkeypatch):
             slow = rejection_sample(drafts, as_candidates(q), as_candidates(p), Ragged.of(counts), generators)
         assert fast.output_tokens == slow.output_tokens and torch.equal(fast.num_accepted, slow.num_accepted)
     assert len(calls) == 200
+
+
+def test_a_step_without_drafts_takes_the_native_call_with_p_as_candidates(monkeypatch):
+    """Target-only steps (the empty draft's q has no rows, as candidates) emit each request's token
+    from p in one native call, the token sample() draws from p with the same generator."""
+    if not native.available():
+        pytest.skip(native.unavailable_reason())
+    calls = []
+    monkeypatch.setattr(rejection, "_native_ops", lambda: calls.append(1) or native.ops())
+    p = torch.softmax(torch.randn(3, 50, generator=torch.Generator().manual_seed(0)), -1)
+    q = DraftBatch.empty(3, 50).probs
+    for seed in range(20):
+        result = rejection_sample(torch.zeros(0, dtype=torch.int64), q, as_candidates(p), Ragged.of([0, 0, 0]),
+                                  [torch.Generator().manual_seed(seed + b) for b in range(3)])
+        expected = [sample(p[b:b + 1], [torch.Generator().manual_seed(seed + b)]).item() for b in range(3)]
+        assert result.output_tokens == [[t] for t in expected] and result.num_accepted.tolist() == [0, 0, 0]
+    assert len(calls) == 20
 
 
 def test_fast_equals_reference_when_requests_share_a_generator():

@@ -27,6 +27,7 @@ def test_a_step_that_drafts_nothing_plans_nothing(batch):
     drafts = DraftBatch.empty(batch, vocab_size=7, features=("logit_q_max",))
     assert drafts.num_drafted.tolist() == [0] * batch and drafts.token_ids.shape == (batch, 0)
     assert len(drafts.probs) == 0 and drafts.features["logit_q_max"].shape == (batch, 0)
+    assert drafts.probs.ids is not None and drafts.probs.vocab == 7  # no rows, as candidates (see below)
     plan = Plan.of(drafts, torch.zeros(batch, dtype=torch.int64))
     assert plan.num_admitted.tolist() == [0] * batch and plan.token_lists() == [[]] * batch
     assert plan.draft_rows.numel() == plan.tokens.numel() == 0
