@@ -105,8 +105,8 @@ class DraftModelDrafter:
             first_row += len(active)
             keep = [i for i in active if num_slots[i] > slot + 1]
             if stop_rule is not None and keep:
-                slot_features = _SlotFeatures(tails, lambda t=tails, p=probs, x=tokens: self._features(t, p, x),
-                                              self.feature_clamp)
+                slot_features = _SlotFeatures({"logit_q_max": logit_q_max_from_tails(tails, self.feature_clamp)},
+                                              lambda t=tails, p=probs, x=tokens: self._features(t, p, x))
                 more = stop_rule.keep_drafting(slot, active, slot_features).tolist()
                 keep = [i for i, go in zip(active, more) if go and num_slots[i] > slot + 1]
             active = keep
@@ -165,22 +165,16 @@ def _feature_table(features: dict[str, torch.Tensor], slot_active: list[list[int
 
 
 class _SlotFeatures(Mapping):
-    """One slot's features (each # [A]) as the stop rule reads them, each computed when first read:
-    logit(q_max) alone from the Tails (what rules read), the others all at once by `every()`. The
+    """One slot's features (each # [A]) as the stop rule reads them: logit(q_max) (what rules read,
+    from the slot's Tails) given, the others computed all at once by `every()` if a rule asks. The
     step's feature table computes every slot's in one call after the last slot."""
 
-    def __init__(self, tails: Tails, every: Callable[[], dict[str, torch.Tensor]], clamp: float) -> None:
-        self._tails, self._every, self._clamp = tails, every, clamp
-        self._values: dict[str, torch.Tensor] = {}
+    def __init__(self, known: dict[str, torch.Tensor], every: Callable[[], dict[str, torch.Tensor]]) -> None:
+        self._values, self._every = dict(known), every
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        if name not in self._values:
-            if name == "logit_q_max":
-                self._values[name] = logit_q_max_from_tails(self._tails, self._clamp)
-            elif name in FEATURE_NAMES:
-                self._values.update(self._every())
-            else:
-                raise KeyError(name)
+        if name not in self._values and name in FEATURE_NAMES:
+            self._values.update(self._every())
         return self._values[name]
 
     def __iter__(self) -> Iterator[str]:
