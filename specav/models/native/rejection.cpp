@@ -3,7 +3,7 @@
 // reference this follows, step for step). With the caches cold after the target's forward, the
 // torch path's thirty-odd small ops cost about 0.7 ms a step; this is one call.
 //
-//   rejection_candidates(x, q_ids, q_probs, p_ids, p_probs, counts, uniforms, last_uniforms)
+//   rejection_candidates(x, q_ids, q_probs, p_ids, p_probs, counts, uniforms, last_uniforms, residual_eps)
 //       -> (num_accepted, last_tokens)
 //   x # [S] int64: the admitted draft tokens, request after request (counts[b] each);
 //   q_ids / q_probs # [S, Wq]: q_i of those slots as candidates (ids ascending, padding = V, prob 0);
@@ -25,7 +25,7 @@
 
 namespace {
 
-// Row r's probability of token `token` among its w candidates (0 where it is not one of them).
+// A row's probability of `token` among its w candidates (0 where it is not one of them).
 inline float lookup(const int64_t* ids, const float* probs, int64_t w, int64_t token) {
   for (int64_t j = 0; j < w; ++j)
     if (ids[j] == token) return probs[j];

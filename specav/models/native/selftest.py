@@ -122,7 +122,7 @@ def check_top_k(ops, gen: np.random.Generator) -> None:
         raise AssertionError("candidate_probs: its ids differ from torch's")
     torch.testing.assert_close(probs, ref_probs, rtol=1e-5, atol=1e-7)
     top_p, t_drawn = torch.tensor([0.8, 1.0, 0.5]), t.clamp(min=0.5)
-    ids, probs, tokens, ok, _, tail, _ = ops.draw_top_k(x, t_drawn.tolist(), 5, top_p.tolist(), [0.3, 0.9, 0.5])
+    ids, probs, tokens, ok, *_ = ops.draw_top_k(x, t_drawn.tolist(), 5, top_p.tolist(), [0.3, 0.9, 0.5])
     ref_ids, ref_probs = ops.candidate_probs(*ops.scan_rows(x, t_drawn, 5, False)[:2], top_p)
     if ok.tolist() != [True, False, True] or not torch.equal(ids[ok], ref_ids[ok]) or not torch.equal(probs[ok], ref_probs[ok]):
         raise AssertionError("draw_top_k: its candidates differ from scan_rows' and candidate_probs'")
