@@ -416,6 +416,20 @@ def test_cold_start_refits_double_in_labels_until_the_interval_comes_first():
     assert refit_steps(MODES["windowed"], 250, 5) == [100, 200]  # the seed's schedule
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(1, 3)), min_size=1, max_size=60),
+       st.sampled_from([0, 3]))
+def test_no_refit_is_left_due_after_any_step_with_or_without_labels(steps, cold_start_labels):
+    """observe checks the labels' schedule only on steps with labels (the others can be due only by
+    their count): after every call, labelled or not, neither part of the schedule is overdue."""
+    est = OnlineAcceptanceEstimator(2, EstimatorConfig(refit_interval=7, cold_start_labels=cold_start_labels))
+    for admitted, count in steps:  # admitted slots of each of 2 requests (0: a step without labels)
+        est.observe(torch.ones(2, 2), torch.full((2,), min(admitted, 2)), torch.full((2,), min(admitted, 1)),
+                    steps=count)
+        nxt = est.next_refit()
+        assert nxt.steps > 0 and nxt.labels > 0
+
+
 def test_next_refit_and_steps_say_when_the_refit_comes():
     est = OnlineAcceptanceEstimator(1, EstimatorConfig(refit_interval=10, cold_start_labels=6))
     nxt = est.next_refit()

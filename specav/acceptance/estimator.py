@@ -347,15 +347,17 @@ class OnlineAcceptanceEstimator:
         f = self._features(features)
         admitted = self._counts(num_admitted, "num_admitted", f.shape[0])
         accepted = self._counts(num_accepted, "num_accepted", f.shape[0])
-        if bool(admitted.any()) or bool(accepted.any()):  # else no labels (a step that verified no slot)
+        labels = bool(admitted.any()) or bool(accepted.any())  # else none (a step that verified no slot)
+        if labels:
             self._check_counts(admitted, accepted)
             labelled, y = self._labels(admitted, accepted)
             labelled &= torch.isfinite(f)
             self._accumulate(f, labelled, y)
         self.steps_since_refit += steps
         self.total_steps += steps
-        nxt = self.next_refit()
-        if nxt.steps <= 0 or nxt.labels <= 0:
+        # Pending labels grow only with labels, and a refit is taken as soon as they are due, so a
+        # step without labels (most steps where drafts do not pay) can be due only by its count.
+        if self.steps_since_refit >= self.config.refit_interval or (labels and self.next_refit().labels <= 0):
             self.refit()
 
     def _accumulate(self, f: torch.Tensor, labelled: torch.Tensor, y: torch.Tensor) -> None:

@@ -772,17 +772,18 @@ class AdaptivePlanner:
     # ---- observe -------------------------------------------------------------------------
 
     def observe(self, record: StepRecord) -> None:
-        self.cost.observe(record.drafts.forwards, record.verify_tokens, record.verify_attended, record.times,
-                          prefill=bool(record.prefill_tokens))
-        if math.isfinite(record.times.total):
-            self.probe_budget += self.config.probe_share * max(0.0, record.times.total)
         if record.times.total > 0 and record.requests and not record.prefill_tokens and not self._control:
-            # (a control step says nothing of the requests' own rates)
+            # (a control step says nothing of the requests' own rates; each rate is against the
+            # target-only step the cost model predicted before it learnt from this one)
             for request, speedup in zip(record.requests, self._speedups(record)):
                 h = self._history(request)
                 h.speedup += self.rate_alpha * (speedup - h.speedup)
                 h.measured += 1
                 self.population.measured(request.request_id, h.speedup)
+        self.cost.observe(record.drafts.forwards, record.verify_tokens, record.verify_attended, record.times,
+                          prefill=bool(record.prefill_tokens))
+        if math.isfinite(record.times.total):
+            self.probe_budget += self.config.probe_share * max(0.0, record.times.total)
         num_drafted = record.drafts.num_drafted.tolist()
         if not any(num_drafted):
             return  # (nothing to learn of blocks or probes)
@@ -809,10 +810,10 @@ class AdaptivePlanner:
         model predicts for the pending tokens alone) plus the step's extra time split by the
         predicted cost of its drafted and admitted slots."""
         b = len(record.requests)
-        pending = record.verify_tokens - int(record.num_admitted.sum())
+        drafted, admitted = record.drafts.num_drafted.tolist(), record.num_admitted.tolist()
+        pending = record.verify_tokens - sum(admitted)
         pending_attended = record.verify_attended * pending / max(record.verify_tokens, 1)
         target_only = (self.cost.plain_seconds(pending, pending_attended) + self.cost.overhead) / b
-        drafted, admitted = record.drafts.num_drafted.tolist(), record.num_admitted.tolist()
         weights = [0.0] * b
         if any(drafted):
             row, slot = self._draft_row(sum(1 for d in drafted if d)), self.cost.verify_added(pending, 1)
