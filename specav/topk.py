@@ -219,4 +219,4 @@ def _native_ops():
     (SPECAV_NO_NATIVE, no compiler, a CPU without AVX2)."""
     from specav.models import native
 
-    return native.ops() if native.available() else None
+    return native.ops_or_none()

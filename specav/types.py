@@ -91,8 +91,9 @@ class DraftBatch:
     def empty(cls, batch: int, vocab_size: int, features: Sequence[str] = ()) -> "DraftBatch":
         """A step in which no request drafts (target-only decoding, and most adaptive steps where
         drafts do not pay): no slots and no forwards; each named feature # [B, 0]."""
-        no_rows = TokenProbs(torch.zeros(0, 0), torch.zeros(0, 0, dtype=torch.int64), vocab_size)  # as candidates:
-        # with p as candidates too, verification takes the rejection sampler's native call
+        # no rows, as candidates: with p as candidates too, verification takes the rejection
+        # sampler's native call
+        no_rows = TokenProbs(torch.zeros(0, 0), torch.zeros(0, 0, dtype=torch.int64), vocab_size)
         return cls(torch.full((batch, 0), -1, dtype=torch.int64), Ragged.of([0] * batch), no_rows,
                    {name: torch.zeros(batch, 0) for name in features})
 
@@ -151,8 +152,8 @@ class Plan:
     def of(cls, drafts: DraftBatch, num_admitted: torch.Tensor, predicted: StageTimes | None = None) -> "Plan":
         """Admit the first num_admitted[b] drafted slots of each request (# [B] int64)."""
         num_admitted = torch.as_tensor(num_admitted, dtype=torch.int64)
-        admitted_list, drafted_list = num_admitted.tolist(), drafts.num_drafted.tolist()  # (B values: checked
-        # in Python, where each torch op costs tens of us on the caches a forward left cold)
+        # B values, checked in Python: each torch op costs tens of us on the caches a forward left cold
+        admitted_list, drafted_list = num_admitted.tolist(), drafts.num_drafted.tolist()
         if len(admitted_list) != len(drafted_list) or any(not 0 <= a <= d for a, d in zip(admitted_list, drafted_list)):
             raise ValueError(f"num_admitted {admitted_list} must lie in [0, num_drafted] per request "
                              f"(num_drafted {drafted_list})")

@@ -12,11 +12,10 @@ Two layers of evidence:
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import functools
 from collections import Counter, defaultdict
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Callable, Sequence
 
 import numpy as np
@@ -433,17 +432,15 @@ def test_candidate_rows_take_one_native_call_with_the_same_draws(monkeypatch):
     for seed in range(200):
         drafts = sample(q, [torch.Generator().manual_seed(seed)] * q.shape[0])
         shared = seed % 2 == 0  # every request on one generator, or each on its own
-        gens = lambda: [torch.Generator().manual_seed(seed + (0 if shared else b)) for b in range(len(counts))]
-        generators = gens()
-        if shared:
-            generators = [generators[0]] * len(counts)
-        fast = rejection_sample(drafts, as_candidates(q), as_candidates(p), Ragged.of(counts), generators)
+
+        def generators():
+            own = [torch.Generator().manual_seed(seed + b) for b in range(len(counts))]
+            return [own[0]] * len(counts) if shared else own
+
+        fast = rejection_sample(drafts, as_candidates(q), as_candidates(p), Ragged.of(counts), generators())
         with monkeypatch.context() as torch_path:
             torch_path.setattr(rejection, "_native_ops", lambda: None)
-            generators = gens()
-            if shared:
-                generators = [generators[0]] * len(counts)
-            slow = rejection_sample(drafts, as_candidates(q), as_candidates(p), Ragged.of(counts), generators)
+            slow = rejection_sample(drafts, as_candidates(q), as_candidates(p), Ragged.of(counts), generators())
         assert fast.output_tokens == slow.output_tokens and torch.equal(fast.num_accepted, slow.num_accepted)
     assert len(calls) == 200
 

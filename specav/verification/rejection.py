@@ -195,4 +195,4 @@ def _native_ops():
     """The native kernels' ops, or None where none is built (results are the same either way)."""
     from specav.models import native
 
-    return native.ops() if native.available() else None
+    return native.ops_or_none()

@@ -68,6 +68,12 @@ def ops():
     return getattr(torch.ops, variant.namespace)
 
 
+def ops_or_none():
+    """The chosen variant's op namespace, or None where no variant is built (SPECAV_NO_NATIVE, no
+    compiler, a CPU without AVX2): for callers with a torch path giving the same results."""
+    return ops() if available() else None
+
+
 def build_key() -> str:
     """Names the chosen variant's build (the kernel profile keys its timings by it)."""
     variant = _choose()
