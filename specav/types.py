@@ -157,6 +157,8 @@ class Plan:
         if len(admitted_list) != len(drafted_list) or any(not 0 <= a <= d for a, d in zip(admitted_list, drafted_list)):
             raise ValueError(f"num_admitted {admitted_list} must lie in [0, num_drafted] per request "
                              f"(num_drafted {drafted_list})")
+        if not drafts.layout.total:  # nothing drafted, so nothing admitted: the drafts' empty layout is the plan's
+            return cls(drafts.layout, drafts.layout.request, drafts.layout.request, predicted)
         admitted = Ragged.of(num_admitted)
         tokens = drafts.token_ids[admitted.request, admitted.position] if admitted.total else \
             torch.zeros(0, dtype=torch.int64)

@@ -7,6 +7,7 @@ what the rules decide on hand-built batches.
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 import torch
@@ -475,11 +476,11 @@ def test_exploration_draws_come_from_the_planners_own_generator():
     shapes = [RequestShape(1, 0)] * 3
     chance = p.exploration_probability(shapes)
     assert 0.1 < chance < 0.9
-    draws = torch.cat([p.draft_plan(requests(3), [4, 4, 4], shapes).explore for _ in range(20)])
-    g = torch.Generator().manual_seed(7)
-    expected = torch.cat([torch.rand(3, generator=g, dtype=torch.float64) < chance for _ in range(20)])
-    assert torch.equal(draws, expected)
-    assert 0 < int(draws.sum()) < draws.numel()
+    plans = [p.draft_plan(requests(3), [4, 4, 4], shapes) for _ in range(20)]
+    draws = [[False] * 3 if plan.explore is None else plan.explore.tolist() for plan in plans]  # (None: nobody drafts)
+    rng = random.Random(7)
+    assert draws == [[rng.random() < chance for _ in range(3)] for _ in range(20)]
+    assert 0 < sum(map(sum, draws)) < 60
 
 
 def test_exploration_costs_its_share_of_compute_at_any_concurrency():

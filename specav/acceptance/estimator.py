@@ -347,7 +347,9 @@ class OnlineAcceptanceEstimator:
         f = self._features(features)
         admitted = self._counts(num_admitted, "num_admitted", f.shape[0])
         accepted = self._counts(num_accepted, "num_accepted", f.shape[0])
-        labels = bool(admitted.any()) or bool(accepted.any())  # else none (a step that verified no slot)
+        # else none (a step that verified no slot); read as Python ints: a reduction's tensor ops cost
+        # tens of us on the caches a forward left cold, and most steps where drafts do not pay have none
+        labels = any(admitted.tolist()) or any(accepted.tolist())
         if labels:
             self._check_counts(admitted, accepted)
             labelled, y = self._labels(admitted, accepted)

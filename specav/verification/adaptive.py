@@ -97,6 +97,7 @@ from __future__ import annotations
 
 import functools
 import math
+import random
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
@@ -332,7 +333,7 @@ def select_prefix(gains: Sequence[float], tokens: Sequence[int], committed_token
 
 def _no_draft(batch: int, shapes: Sequence[RequestShape]) -> DraftPlan:
     """A step in which no request drafts (nothing is priced: no rule has anything to decide)."""
-    return DraftPlan([0] * batch, None, torch.zeros(batch, dtype=torch.bool), math.nan, tuple(shapes), ("",) * batch)
+    return DraftPlan([0] * batch, None, None, math.nan, tuple(shapes), ("",) * batch)
 
 
 class _Prices:
@@ -367,10 +368,10 @@ class _SurvivalStop:
     Runs after every drafter forward, so its per-request state is plain Python (at concurrency 1 a
     step asks it up to K - 1 times, and tensor ops on a handful of numbers cost more than the math)."""
 
-    def __init__(self, planner: "AdaptivePlanner", forced: torch.Tensor, price: float, verify_tokens: int,
+    def __init__(self, planner: "AdaptivePlanner", forced: Sequence[bool], price: float, verify_tokens: int,
                  shapes: Sequence[RequestShape]) -> None:
         self.planner = planner
-        self.forced = forced.tolist()  # [B] bool: exploring requests draft every slot
+        self.forced = list(forced)  # [B] bool: exploring requests draft every slot
         self.price = price
         self.survival = [1.0] * len(self.forced)  # [B] s_j of the last drafted slot
         self.verify_tokens = verify_tokens  # tokens verification will pack if every drafted slot is admitted
@@ -418,7 +419,9 @@ class AdaptivePlanner:
         self.scorer = scorer
         self.cost = cost
         self.config = config
-        self.generator = torch.Generator().manual_seed(config.seed)  # exploration only
+        # exploration and control steps only, never the drafts; Python's, not a torch generator: drawn
+        # every step, where a torch op costs tens of us on the caches a forward left cold
+        self.random = random.Random(config.seed)
         self.rate_alpha = _decay(config.rate_halflife)
         self.history: dict[str, _History] = {}
         self.population = Population()  # the traffic's drafted blocks, by request (new requests' prior)
@@ -470,16 +473,16 @@ class AdaptivePlanner:
         prices = _Prices(self, requests, shapes)
         self._control = self.config.control_share > 0 and b > 0 and bool(self.population.requests) and (
             not self.cost.plain_observations  # the first step after the cold start, until one is measured
-            or float(torch.rand(1, generator=self.generator, dtype=torch.float64)) < self.config.control_share)
+            or self.random.random() < self.config.control_share)
         if self._control:  # the whole batch decodes target-only (see the module docstring)
             return _no_draft(b, shapes)
         cold_start = self._cold_start(requests, max_slots, shapes, prices)
         if not cold_start and not any(self._known(self._history(r)) for r in requests):
             return _no_draft(b, shapes)  # nothing known, and learning would not pay: nothing to draw
-        draws = torch.rand(b, generator=self.generator, dtype=torch.float64)  # drawn every step, used or not
+        draws = [self.random.random() for _ in range(b)]  # drawn every step, used or not
         eligible = [m > 0 and s.draft_pending <= _CAUGHT_UP for m, s in zip(max_slots, shapes)]
-        explore = (draws < self.exploration_probability(shapes)) & torch.tensor(eligible, dtype=torch.bool) \
-            if any(eligible) else torch.zeros(b, dtype=torch.bool)
+        probability = self.exploration_probability(shapes) if any(eligible) else 0.0
+        explore = [e and u < probability for u, e in zip(draws, eligible)]  # [B]
         num_slots = [0] * b
         reasons = [""] * b
         forced: list[int] = []
@@ -494,7 +497,7 @@ class AdaptivePlanner:
             h = self._history(request)
             if m == 0 or i in forced or not self._known(h):
                 continue
-            if bool(explore[i]):
+            if explore[i]:
                 forced.append(i)
                 reasons[i] = "explore"
             elif h.probing:
@@ -523,8 +526,9 @@ class AdaptivePlanner:
                 h.wait = h.interval
         if not any(num_slots):
             return _no_draft(b, shapes)
-        stop = _SurvivalStop(self, explore.clone(), prices.price, pending, shapes)
-        return DraftPlan(num_slots, stop, explore, prices.price, tuple(shapes), tuple(reasons))
+        stop = _SurvivalStop(self, explore, prices.price, pending, shapes)
+        return DraftPlan(num_slots, stop, torch.tensor(explore, dtype=torch.bool), prices.price, tuple(shapes),
+                         tuple(reasons))
 
     def _cold_start(self, requests: Sequence[Request], max_slots: Sequence[int],
                     shapes: Sequence[RequestShape], prices: _Prices) -> list[int]:
@@ -734,10 +738,13 @@ class AdaptivePlanner:
 
     def plan(self, drafts: DraftBatch, scores: Scores, draft_plan: DraftPlan) -> Plan:
         counts = drafts.num_drafted  # [B]
+        if not drafts.layout.total:  # nothing drafted, nothing to rank (no tensor ops: the caches are cold)
+            predicted = self.cost.predict(drafts.forwards, draft_plan.pending_tokens,
+                                          sum(s.attended(0) for s in draft_plan.shapes))
+            return Plan.of(drafts, counts, predicted)
         explore = draft_plan.explore if draft_plan.explore is not None else torch.zeros_like(counts, dtype=torch.bool)
         admitted = torch.where(explore, counts, torch.zeros_like(counts))  # [B]
-        if drafts.layout.total:  # a step that drafted nothing has nothing to rank
-            self._admit(admitted, scores, draft_plan, counts, explore)
+        self._admit(admitted, scores, draft_plan, counts, explore)
         verify_tokens = draft_plan.pending_tokens + int(admitted.sum())
         verify_attended = sum(s.attended(k) for s, k in zip(draft_plan.shapes, admitted.tolist()))
         return Plan.of(drafts, admitted, self.cost.predict(drafts.forwards, verify_tokens, verify_attended))

@@ -60,7 +60,7 @@ class DraftPlan:
 
     num_slots: list[int]  # per request, the most slots it may draft this step (0: no draft)
     stop_rule: StopRule | None = None  # None: every request drafts num_slots[b] slots
-    explore: torch.Tensor | None = None  # [B] bool, requests that draft and verify their whole block
+    explore: torch.Tensor | None = None  # [B] bool, requests that draft and verify their whole block (None: none)
     price: float = math.nan  # tokens per second a second of compute must buy (the planner's lambda)
     shapes: tuple[RequestShape, ...] = ()  # the batch's requests before any slot (what verifying them costs)
     # per request, why it may draft: "static", "rule", "probe", "explore", "cold start" ("": it does
