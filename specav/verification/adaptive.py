@@ -738,15 +738,14 @@ class AdaptivePlanner:
 
     def plan(self, drafts: DraftBatch, scores: Scores, draft_plan: DraftPlan) -> Plan:
         counts = drafts.num_drafted  # [B]
-        if not drafts.layout.total:  # nothing drafted, nothing to rank (no tensor ops: the caches are cold)
-            predicted = self.cost.predict(drafts.forwards, draft_plan.pending_tokens,
-                                          sum(s.attended(0) for s in draft_plan.shapes))
-            return Plan.of(drafts, counts, predicted)
-        explore = draft_plan.explore if draft_plan.explore is not None else torch.zeros_like(counts, dtype=torch.bool)
-        admitted = torch.where(explore, counts, torch.zeros_like(counts))  # [B]
-        self._admit(admitted, scores, draft_plan, counts, explore)
-        verify_tokens = draft_plan.pending_tokens + int(admitted.sum())
-        verify_attended = sum(s.attended(k) for s, k in zip(draft_plan.shapes, admitted.tolist()))
+        admitted = counts  # nothing drafted, nothing to rank (and no tensor ops: the caches are cold)
+        if drafts.layout.total:
+            explore = torch.zeros_like(counts, dtype=torch.bool) if draft_plan.explore is None else draft_plan.explore
+            admitted = torch.where(explore, counts, torch.zeros_like(counts))  # [B]
+            self._admit(admitted, scores, draft_plan, counts, explore)
+        num_admitted = admitted.tolist()
+        verify_tokens = draft_plan.pending_tokens + sum(num_admitted)
+        verify_attended = sum(s.attended(k) for s, k in zip(draft_plan.shapes, num_admitted))
         return Plan.of(drafts, admitted, self.cost.predict(drafts.forwards, verify_tokens, verify_attended))
 
     def _admit(self, admitted: torch.Tensor, scores: Scores, draft_plan: DraftPlan, counts: torch.Tensor,
