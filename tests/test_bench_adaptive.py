@@ -66,7 +66,8 @@ def test_the_trace_writes_each_requests_decisions_and_counts_its_drafting_steps(
         return SimpleNamespace(step=step, requests=[request], drafts=SimpleNamespace(num_drafted=torch.tensor([drafted])),
                                scores=SimpleNamespace(features=features),
                                num_admitted=torch.tensor([drafted]), num_accepted=torch.tensor([min(drafted, 1)]),
-                               draft_reasons=(reason,), times=StageTimes(0.01, 0.03, 0.04), prefill_tokens=prefill)
+                               draft_reasons=(reason,), times=StageTimes(0.01, 0.03, 0.04), prefill_tokens=prefill,
+                               plan=SimpleNamespace(predicted=StageTimes(0.01, 0.025, 0.035)))
 
     path = tmp_path / "trace.jsonl"
     trace = Trace(str(path))
@@ -82,7 +83,7 @@ def test_the_trace_writes_each_requests_decisions_and_counts_its_drafting_steps(
     assert len(lines) == 4
     assert lines[1] == {"workload": "code", "concurrency": 1, "round": 0, "method": "AV", "step": 1, "request": "a",
                         "output": 1, "reason": "rule", "drafted": 2, "admitted": 2, "accepted": 1,
-                        "features": [2.5, -0.25], "seconds": 0.04}
+                        "features": [2.5, -0.25], "seconds": 0.04, "predicted": 0.035}
     assert lines[2]["features"] == []
 
 
@@ -107,8 +108,9 @@ def test_the_trace_attached_to_an_adaptive_engine_writes_its_planners_and_estima
     lines = [json.loads(line) for line in path.read_text().splitlines()]
     assert [line["request"] for line in lines] == [r for batch in batches for r in batch]  # a line per request-step
     last = lines[-1]
-    assert {"wait", "interval", "probing", "speedup", "budget_ms", "population", "slope", "intercepts",
-            "changes"} <= last.keys()
+    assert {"wait", "interval", "probing", "speedup", "budget_ms", "population", "plain_ms", "scales", "slope",
+            "intercepts", "changes"} <= last.keys()
+    assert last["plain_ms"] > 0 and len(last["scales"]) == 3 and last["predicted"] > 0
     assert len(last["intercepts"]) == 4 and last["slope"] == pytest.approx(float(engine.scorer.slope), abs=1e-3)
     assert any(line["drafted"] for line in lines)  # drafting paid, so the trace saw drafts and their reasons
     assert {line["reason"] for line in lines if line["drafted"]} <= {"cold start", "rule", "probe", "explore"}

@@ -149,7 +149,7 @@ def test_correction_converges_at_the_rate_its_half_lives_say():
         model.observe([], 5, 0, StageTimes(0.0, measured, measured))
     alpha, beta = 1 - 0.5 ** (1 / 8), 1 - 0.5 ** (1 / 16)
     closed = 1 - (1 - alpha - beta * (1 - alpha)) ** 8
-    assert math.log(model.scale("target")) == pytest.approx(closed * math.log(3), rel=1e-9)
+    assert math.log(model.scale("plain")) == pytest.approx(closed * math.log(3), rel=1e-9)
     assert model.target.shape["plain"] == pytest.approx([0.0, 0.0, 0.0], abs=1e-12)
 
 
@@ -189,12 +189,12 @@ def test_the_shape_is_learnt_where_the_profile_is_wrong_and_a_uniform_change_mov
     steps(200, 1.0)
     for t, factor in truth.items():
         assert model.verify_seconds(t) / verify(t) == pytest.approx(factor, rel=0.03)
-    level = model.scale("target")
+    level = model.scale("verify")
     assert model.verify_seconds(16) == pytest.approx(verify(16) * level)  # unmeasured: the profile's shape
     steps(48, 2.0)  # 6 half-lives of the level
     for t, factor in truth.items():
         assert model.verify_seconds(t) / verify(t) == pytest.approx(2.0 * factor, rel=0.05)
-    assert model.scale("target") == pytest.approx(2.0 * level, rel=0.05)  # the level took the change
+    assert model.scale("verify") == pytest.approx(2.0 * level, rel=0.05)  # the level took the change
 
 
 def test_a_rarely_measured_kind_of_step_follows_the_drift_the_other_measures():
@@ -210,7 +210,29 @@ def test_a_rarely_measured_kind_of_step_follows_the_drift_the_other_measures():
     for _ in range(40):  # the machine slows 1.6x; only drafting steps run
         model.observe([(1, 0)], 5, 0, StageTimes(0.032, 1.6 * drafting, 1.6 * drafting + 0.032))
     assert model.verify_seconds(5) == pytest.approx(1.6 * drafting, rel=0.01)
-    assert 1.45 * plain < model.plain_seconds(1) < 1.65 * plain  # most of the way (one scale per kind: none)
+    assert 1.45 * plain < model.plain_seconds(1) < 1.65 * plain  # most of the way, as the drafter measured it
+    for _ in range(40):  # and back, measured by target-only steps alone: the drafting steps follow
+        model.observe([], 1, 0, StageTimes(0.0, plain, plain))
+    assert model.plain_seconds(1) == pytest.approx(plain, rel=0.01)
+    assert model.verify_seconds(5) == pytest.approx(drafting, rel=0.05)
+    assert model.draft_seconds(1) == pytest.approx(0.02, rel=0.05)
+
+
+def test_a_drafting_steps_own_error_does_not_move_the_target_only_step():
+    """A drafting step's verify can run slower than the profile's shape says while nothing else
+    changes (on the Zen 4 EPYC, two tokens took about 1.4x a one-token step where the profile said
+    1.18x; the drafter as predicted). A stretch of drafting steps must not carry that into the
+    target-only step, the price every rule is held to: with one level for both kinds, such
+    stretches put it 35-45% above the target-only steps measured in them, and drafts at a loss
+    looked like gains (docs/adaptive.md, "The cost model")."""
+    model = CostModel(profile(), halflife=8.0)
+    plain, draft, verify = profile().verify(1), profile().draft(1), 1.4 * profile().verify(2)
+    for _ in range(20):  # target-only decoding
+        model.observe([], 1, 0, StageTimes(0.0, plain, plain))
+    for _ in range(60):  # then drafting, one slot a step
+        model.observe([(1, 0)], 2, 0, StageTimes(draft, verify, draft + verify))
+    assert model.verify_seconds(2) == pytest.approx(verify, rel=0.02)
+    assert model.plain_seconds(1) == pytest.approx(plain, rel=0.02)
 
 
 def test_one_measured_point_leaves_the_shape_at_zero():
@@ -230,7 +252,7 @@ def test_an_unmeasured_drafter_drifts_with_the_measured_target():
     model = CostModel(profile(), halflife=4.0)
     for _ in range(40):
         model.observe([], 1, 100, StageTimes(0.0, 2 * profile().verify(1, 100), 2 * profile().verify(1, 100)))
-    assert model.scale("draft") == pytest.approx(2.0, rel=1e-3) == model.scale("target")
+    assert model.scale("draft") == pytest.approx(2.0, rel=1e-3) == model.scale("plain")
     for _ in range(40):  # once the drafter is measured, it follows its own time
         model.observe([(1, 100)], 2, 200, StageTimes(profile().draft(1, 100), 0.1, 0.1 + profile().draft(1, 100)))
     assert model.scale("draft") == pytest.approx(1.0, rel=1e-3)
@@ -240,7 +262,7 @@ def test_non_finite_or_zero_measurements_are_ignored():
     model = CostModel(profile())
     model.observe([], 4, 0, StageTimes(0.0, float("nan"), float("inf")))
     model.observe([], 4, 0, StageTimes(0.0, 0.0, 0.0))
-    assert model.scale("target") == 1.0 and model.scale("draft") == 1.0 and math.isfinite(model.overhead)
+    assert model.scale("plain") == model.scale("verify") == model.scale("draft") == 1.0 and math.isfinite(model.overhead)
 
 
 def test_target_only_profile_predicts_no_drafting_time():

@@ -182,7 +182,8 @@ class Trace:
                     "output": len(request.output_ids), "reason": reason, "drafted": drafted[b],
                     "admitted": admitted[b], "accepted": int(record.num_accepted[b]),
                     "features": [round(f, 4) for f in features[b][:drafted[b]]],
-                    "seconds": round(record.times.total, 5)}
+                    "seconds": round(record.times.total, 5),
+                    "predicted": round(record.plan.predicted.total, 5) if record.plan.predicted else None}
             if engine is not None:
                 line.update(self.state(engine, request.request_id))
             self.file.write(json.dumps(line) + "\n")
@@ -193,8 +194,9 @@ class Trace:
     @staticmethod
     def state(engine: Engine, request_id: str) -> dict[str, object]:
         """What decides the request's next steps: its wait, probe interval and whether a probe is
-        due, its measured speed-up, the probe budget (ms), the traffic's requests, and the
-        estimator's slope, intercepts and detected changes (where the engine has them)."""
+        due, its measured speed-up, the probe budget (ms), the traffic's requests, the cost model's
+        one-token target-only step (ms, attention aside) and its stages' levels (plain, verify,
+        draft), and the estimator's slope, intercepts and detected changes (where the engine has them)."""
         out: dict[str, object] = {}
         planner = engine.planner
         h = getattr(planner, "history", {}).get(request_id)
@@ -202,6 +204,10 @@ class Trace:
             out.update(wait=h.wait, interval=h.interval, probing=h.probing, speedup=round(h.speedup, 3))
         if hasattr(planner, "probe_budget"):
             out.update(budget_ms=round(1e3 * planner.probe_budget, 1), population=len(planner.population.requests))
+        cost = getattr(planner, "cost", None)
+        if cost is not None:  # the target-only step of one token the prices are held to, and the stages' levels
+            out.update(plain_ms=round(1e3 * (cost.plain_seconds(1) + cost.overhead), 2),
+                       scales=[round(cost.scale(stage), 3) for stage in ("plain", "verify", "draft")])
         scorer = engine.scorer
         if scorer is not None and hasattr(scorer, "slope"):
             out.update(slope=round(float(scorer.slope), 3),

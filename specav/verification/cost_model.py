@@ -13,7 +13,7 @@ step times.
 
 The target's stage is learnt from two kinds of step, `verify` (steps that drafted) and `plain`
 (steps that drafted nothing: target-only decoding, the price every rule is held to). They drift
-together (one model on the same cores) but differ in shape: a drafting step's verify is slower
+together (one model on the same cores) but differ in level and shape: a drafting step's verify is slower
 than a plain one of the same tokens on some machines (the drafting premium), and the traffic
 measures them at different token counts. In the traces one scale per kind was not enough either
 way. Code at concurrency 4 on a machine running at about half its profiled speed: AV drafted 11
@@ -34,14 +34,22 @@ pooled run placed at its mean size and the runs joined linearly, so noise makes 
 where a verified slot would look free: `monotone`) and interpolated linearly, extended past
 the last point with the last segment's slope, plus `per_context` seconds per attended position.
 
-Online correction. Each step the engine reports what it measured, and each model's stage
-corrects its profiled curve by a level and a shape (`_Correction`). The level is one
-multiplicative scale per model, an exponential moving average in log space of measured /
-predicted (half-life `halflife` steps, started from the first measurements rather than from the
-profile: `_warm`), learnt from every step that ran the model: a uniform slowdown (thermal
-throttling, a noisy neighbour) is followed within a few half-lives whatever its size, a stale
-profile never stays in charge, and a kind of step the traffic rarely runs (target-only steps
-while AV drafts) follows the drift the other kind measures. The shape is a log factor per kind of
+Online correction. Each step the engine reports what it measured, and each stage corrects its
+profiled curve by a level and a shape (`_Correction`). The level is a multiplicative scale per
+stage (the drafter, and the target's two kinds of step), an exponential moving average in log
+space of measured / predicted (half-life `halflife` steps, started from the stage's first
+measurements rather than from the profile: `_warm`): a uniform slowdown (thermal throttling, a
+noisy neighbour) is followed within a few half-lives whatever its size, and a stale profile never
+stays in charge. A stage that a step did not run follows the machine's drift as the stage that
+did measured it: after a target-only step, the drafter and the drafting steps' verify move by the
+plain level's change; after a drafting step, the plain level moves by the drafter's change, not
+by the verify's. Not the verify's, because a drafting step's verify can be off for reasons of its
+own, and the plain step is the price every rule is held to: with one level for both kinds, on the
+Zen 4 EPYC at prose concurrency 1, two-token verifies that ran about 1.4x a one-token step (the profile:
+1.07-1.18x) pushed the shared level up through every stretch of drafting steps, the target-only
+steps measured in them ran at 31-33 ms against 45-48 predicted, the price of compute sat a third
+low and one-slot drafts that lost ~10% looked like gains (docs/adaptive.md). A stage never
+measured has the level of the target's kind last measured. The shape is a log factor per kind of
 step and profiled point, learnt more slowly (half-life `shape_halflife` observations) from what
 the level leaves unexplained where the forward ran, interpolated between points as the profile
 is. A start-up profile is a few timings on a noisy machine and its shape can be wrong where the
@@ -194,39 +202,42 @@ def _warm(alpha: float, n: int) -> float:
 
 
 class _Correction:
-    """One model's online correction of its profiled curve: a level (log scale) shared by every kind
-    of step that runs the model, and a shape (a log factor per kind and profiled point). See the
-    module docstring.
+    """One model's online correction of its profiled curve: per kind of step that runs the model, a
+    level (log scale) and a shape (a log factor per profiled point). See the module docstring.
 
-    An observation's error e = log(measured / predicted) moves every point of the model by w * e
-    (the level; w = alpha once warm, `_warm`), and the points the forward falls between by a further
-    beta * share * (1 - w) * e (the shape; beta warm per point as the level, share the point's part
-    of the prediction: its interpolation weight times its seconds over the predicted seconds, the
-    gradient of the log prediction). A change is followed at alpha + beta (1 - alpha) a step where
-    the traffic measures it (half-life 6.5 steps at the defaults 8 and 32) and at alpha elsewhere:
-    a kind of step the traffic rarely runs (target-only steps where AV drafts most steps) follows the
-    drift the other kind measures at the level's half-life, keeping its shape. The shape is stored
-    centred: its mean over the measured points, weighted by their recent evidence (the same shares,
-    decayed at the shape's rate), is kept in the level, which then reads as the model's scale where
-    the traffic runs (what attention's per-position cost is scaled by); one point carrying all the
-    traffic leaves the shape at 0."""
+    An observation of kind k with error e = log(measured / predicted) moves k's level by w * e (w =
+    alpha once warm, counted over k's own observations: `_warm`), and the points the forward falls
+    between by a further beta * share * (1 - w) * e (the shape; beta warm per point as the level,
+    share the point's part of the prediction: its interpolation weight times its seconds over the
+    predicted seconds, the gradient of the log prediction). The shape is stored centred per kind:
+    its mean over the kind's measured points, weighted by their recent evidence (the same shares,
+    decayed at the shape's rate), is kept in the kind's level, which then reads as the kind's scale
+    where the traffic runs (what attention's per-position cost is scaled by); one point carrying all
+    of a kind's traffic leaves its shape at 0. A kind never measured has the level of the kind last
+    measured; a measured kind that a step did not run is moved by `follow`, the machine's drift as
+    the step's other stage measured it (CostModel.observe)."""
 
     def __init__(self, curve: CostCurve | None, alpha: float, beta: float, kinds: Sequence[str]) -> None:
         self.profiled = curve
         self.alpha, self.beta = alpha, beta
-        self.level = 0.0
+        self.kinds = tuple(kinds)
+        self.levels = {kind: 0.0 for kind in kinds}
         points = len(curve.tokens) if curve is not None else 0
         self.observations = {kind: 0 for kind in kinds}
         self.shape = {kind: [0.0] * points for kind in kinds}  # log factor per kind and profiled point
-        self.evidence = {kind: [0.0] * points for kind in kinds}  # decayed shares of the observations
+        self.evidence = {kind: [0.0] * points for kind in kinds}  # decayed shares of the kind's observations
         self.counts = {kind: [0] * points for kind in kinds}  # observations that moved each point
         self.curves = {kind: curve for kind in kinds}  # the profiled curve times exp(shape), made monotone (`curve`)
         self._stale: set[str] = set()  # kinds whose shape moved since their curve was fitted
 
+    @property
+    def level(self) -> float:
+        """The first kind's level (the target's: the plain step's, the price every rule is held to)."""
+        return self.levels[self.kinds[0]]
+
     def curve(self, kind: str) -> CostCurve | None:
         """The kind's corrected curve (the level aside), fitted when first asked for after its shape
-        moved: every observation moves the shapes of both kinds, and a step that drafts nothing
-        asks for one of them only."""
+        moved: a step that drafts nothing asks for one of them only."""
         if kind in self._stale:
             p = self.profiled
             self.curves[kind] = CostCurve.fit(
@@ -236,11 +247,11 @@ class _Correction:
 
     def seconds(self, kind: str, tokens: float, attended: float = 0.0) -> float:
         curve = self.curve(kind)
-        return curve(tokens, attended) * math.exp(self.level) if curve is not None else 0.0
+        return curve(tokens, attended) * math.exp(self.levels[kind]) if curve is not None else 0.0
 
     def added(self, kind: str, tokens: float, more: float, attended: float = 0.0) -> float:
         curve = self.curve(kind)
-        return curve.added(tokens, more, attended) * math.exp(self.level) if curve is not None else 0.0
+        return curve.added(tokens, more, attended) * math.exp(self.levels[kind]) if curve is not None else 0.0
 
     def _shares(self, kind: str, tokens: float, predicted: float) -> list[tuple[int, float]]:
         """The profiled points a forward over `tokens` tokens falls between, with their shares of
@@ -253,37 +264,51 @@ class _Correction:
         u = (tokens - xs[i - 1]) / (xs[i] - xs[i - 1])
         return [(j, w * ys[j] / predicted) for j, w in ((i - 1, 1.0 - u), (i, u)) if w > 0]
 
-    def observe(self, kind: str, forwards: Sequence[tuple[float, float]], seconds: float) -> None:
+    def observe(self, kind: str, forwards: Sequence[tuple[float, float]], seconds: float) -> float:
         """Learn from one measured stage of a `kind` of step: `forwards` [(tokens, attended), ...]
-        took `seconds` in all."""
+        took `seconds` in all. Returns the drift it says the other kinds should follow: the kind's
+        level change once it is warm (its first observations set its own level, they say nothing
+        of a drift), 0 where nothing was learnt."""
         curve = self.curve(kind)
         if curve is None or not forwards or not (seconds > 0 and math.isfinite(seconds)):
-            return
+            return 0.0
         predicted = sum(curve(t, a) for t, a in forwards)
         if predicted <= 0:
-            return
-        e = math.log(seconds / (predicted * math.exp(self.level)))
+            return 0.0
+        e = math.log(seconds / (predicted * math.exp(self.levels[kind])))
+        before = self.levels[kind]
         self.observations[kind] += 1
-        weight = _warm(self.alpha, sum(self.observations.values()))
-        self.level += weight * e
+        weight = _warm(self.alpha, self.observations[kind])
+        self.levels[kind] += weight * e
         moved: dict[int, float] = {}
         for t, _ in forwards:
             for j, share in self._shares(kind, t, predicted):
                 moved[j] = moved.get(j, 0.0) + share
         decay = 1.0 - self.beta
-        for k, ev in self.evidence.items():
-            self.evidence[k] = [n * decay + (moved.get(j, 0.0) if k == kind else 0.0) for j, n in enumerate(ev)]
+        evidence = self.evidence[kind] = [n * decay + moved.get(j, 0.0) for j, n in enumerate(self.evidence[kind])]
         step = {}
         for j, share in moved.items():
             self.counts[kind][j] += 1
             step[j] = _warm(self.beta, self.counts[kind][j]) * share * (1.0 - weight) * e
-        cells = [(k, j) for k, ev in self.evidence.items() for j, n in enumerate(ev) if n > 0]
-        total = sum(self.evidence[k][j] for k, j in cells)
-        common = sum(self.evidence[kind][j] * d for j, d in step.items()) / total if total > 0 else 0.0
-        for k, j in cells:  # kept centred: the move's common mode is the level's (no prediction changes)
-            self.shape[k][j] += step.get(j, 0.0) * (k == kind) - common
-        self.level += common
-        self._stale.update(k for k, _ in cells)  # (a kind nothing measured keeps the profiled curve)
+        total = sum(evidence)
+        common = sum(evidence[j] * d for j, d in step.items()) / total if total > 0 else 0.0
+        shape = self.shape[kind]
+        for j, n in enumerate(evidence):  # kept centred: the move's common mode is the level's (no prediction changes)
+            if n > 0:
+                shape[j] += step.get(j, 0.0) - common
+        self.levels[kind] += common
+        self._stale.add(kind)
+        for other in self.kinds:  # a kind never measured is the one measured, as far as anything knows
+            if not self.observations[other]:
+                self.levels[other] = self.levels[kind]
+        return self.levels[kind] - before if weight <= self.alpha else 0.0
+
+    def follow(self, drift: float, kinds: Sequence[str] | None = None) -> None:
+        """Move the levels of `kinds` (default: every kind) that have been measured by `drift` (log),
+        the machine's drift as a stage this step measured it."""
+        for kind in self.kinds if kinds is None else kinds:
+            if self.observations[kind]:
+                self.levels[kind] += drift
 
 
 class CostModel:
@@ -310,9 +335,10 @@ class CostModel:
         self.overhead = overhead  # seconds per step outside the two models' stages
         self.observations = 0
 
-    def scale(self, model: str) -> float:
-        """A model's level ("draft" or "target"): its measured / profiled time, the shape aside."""
-        return math.exp((self.draft if model == "draft" else self.target).level)
+    def scale(self, stage: str) -> float:
+        """A stage's level ("draft", or the target's "plain" or "verify"): its measured / profiled
+        time, the shape aside."""
+        return math.exp(self.draft.level if stage == "draft" else self.target.levels[stage])
 
     @property
     def plain_observations(self) -> int:
@@ -355,7 +381,7 @@ class CostModel:
     def per_position(self) -> float:
         """Seconds one attended position costs the two stages together (a slot attends in both)."""
         draft = self.profile.draft.per_context * self.scale("draft") if self.profile.draft else 0.0
-        return draft + self.profile.verify.per_context * self.scale("target")
+        return draft + self.profile.verify.per_context * self.scale("verify")
 
     def predict(self, forwards: Sequence[tuple[int, int]], verify_tokens: int, verify_attended: int) -> StageTimes:
         """Times of a step with these drafter forwards [(tokens, attended), ...] and this verification
@@ -373,14 +399,27 @@ class CostModel:
         and neither in a step that prefilled a prompt (a forward over hundreds of tokens, far past
         the profiled points, says nothing of a decoding step's verify: 740 ms measured against
         1506 predicted for code prompts on the AMD EPYC). Its drafter forward, the prompt's
-        catch-up, does teach the draft stage: catch-ups are what entries and probes are priced by."""
+        catch-up, does teach the draft stage: catch-ups are what entries and probes are priced by.
+
+        What a decoding step did not run follows the machine's drift as the step measured it: after
+        a plain step, the drafter and the drafting steps' verify follow the plain step's; after a
+        drafting step, the plain step follows the drafter's, not the verify's (a drafting step's
+        verify can be off for reasons of its own, which would carry into the price every rule is
+        held to: the module docstring). A stage never measured has the level of the target's kind
+        last measured (a slower machine slows both models)."""
         if forwards:
             self.draft_setup = 0.0  # paid: the drafter is ready
-        self.draft.observe("draft", forwards, measured.draft)
+        draft_drift = self.draft.observe("draft", forwards, measured.draft)
         if not prefill:
-            self.target.observe("verify" if forwards else "plain", [(verify_tokens, verify_attended)], measured.verify)
+            kind = "verify" if forwards else "plain"
+            drift = self.target.observe(kind, [(verify_tokens, verify_attended)], measured.verify)
+            if forwards:
+                self.target.follow(draft_drift, ("plain",))
+            else:
+                self.target.follow(drift, ("verify",))
+                self.draft.follow(drift)
         if not sum(self.draft.observations.values()):  # the machine's drift, measured on the target, is the drafter's too
-            self.draft.level = self.target.level
+            self.draft.levels["draft"] = self.target.levels["verify" if forwards else "plain"]
         rest = measured.total - measured.draft - measured.verify
         if math.isfinite(rest):
             self.overhead += _warm(self.alpha, self.observations + 1) * (max(0.0, rest) - self.overhead)
