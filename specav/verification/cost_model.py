@@ -47,7 +47,7 @@ by the verify's. Not the verify's, because a drafting step's verify can be off f
 own, and the plain step is the price every rule is held to: with one level for both kinds, on the
 Zen 4 EPYC at prose concurrency 1, two-token verifies that ran about 1.4x a one-token step (the profile:
 1.07-1.18x) pushed the shared level up through every stretch of drafting steps, the target-only
-steps measured in them ran at 31-33 ms against 45-48 predicted, the price of compute sat a third
+steps measured in them ran at 32-33 ms against 44-48 predicted, the price of compute sat a third
 low and one-slot drafts that lost ~10% looked like gains (docs/adaptive.md). A stage never
 measured has the level of the target's kind last measured. The shape is a log factor per kind of
 step and profiled point, learnt more slowly (half-life `shape_halflife` observations) from what
