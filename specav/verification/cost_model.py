@@ -418,7 +418,7 @@ class CostModel:
             else:
                 self.target.follow(drift, ("verify",))
                 self.draft.follow(drift)
-        if not sum(self.draft.observations.values()):  # the machine's drift, measured on the target, is the drafter's too
+        if not self.draft.observations["draft"]:  # the machine's drift, measured on the target, is the drafter's too
             self.draft.levels["draft"] = self.target.levels["verify" if forwards else "plain"]
         rest = measured.total - measured.draft - measured.verify
         if math.isfinite(rest):
