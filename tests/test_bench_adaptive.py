@@ -1,8 +1,11 @@
-"""The adaptive benchmark's oracle replay (specav/bench/adaptive.py): what the oracle drafts."""
+"""The adaptive benchmark (specav/bench/adaptive.py): the oracle replay, the methods' step order, the trace."""
+
+import collections
+import itertools
 
 import pytest
 
-from specav.bench.adaptive import Run, _Step, oracle, oracle_forwards
+from specav.bench.adaptive import Run, _Step, oracle, oracle_forwards, step_orders
 from specav.types import attended
 from specav.verification.cost_model import CostCurve, CostProfile
 
@@ -139,3 +142,23 @@ def test_a_variant_changes_adaptive_and_estimator_fields():
     for bad in ("estimator.nope=1", "probe_share", "estimator.trust_radius=-1"):
         with pytest.raises(SystemExit):
             _variant(parser, bad)
+
+
+def test_every_method_steps_in_every_place_and_after_every_other_method_alike():
+    """A step's time depends on the step before it, so no method may keep the same neighbour (the
+    order listed and reversed every turn put AV next to static K = 8 for a whole cell)."""
+    methods, turns = 6, 6000
+    orders = list(itertools.islice(step_orders(methods, seed=0), turns))
+    assert all(sorted(order) == list(range(methods)) for order in orders)
+    places = collections.Counter((m, order.index(m)) for order in orders for m in order)
+    assert min(places.values()) > 0.85 * turns / methods and max(places.values()) < 1.15 * turns / methods
+    sequence = [m for order in orders for m in order]
+    follows = collections.Counter(zip(sequence, sequence[1:]))
+    pairs = [(a, b) for a in range(methods) for b in range(methods) if a != b]
+    expected = turns / methods * (1 + 1 / methods)  # in a turn, and across its boundary to the next
+    assert all(0.8 * expected < follows[pair] < 1.2 * expected for pair in pairs)
+    # the reversed order it replaced fails this: AV (last listed) only ever follows K = 8 or itself
+    reversed_orders = [list(range(methods))[:: 1 if t % 2 == 0 else -1] for t in range(turns)]
+    sequence = [m for order in reversed_orders for m in order]
+    assert collections.Counter(zip(sequence, sequence[1:]))[(0, methods - 1)] == 0
+    assert list(itertools.islice(step_orders(methods, seed=1), 3)) != orders[:3]  # each round its own orders

@@ -24,7 +24,8 @@ top-k 20, top-p 0.8, request i seeded with i, through:
 
 Every row is measured in this one process, the methods stepping in turn per cell: each method
 runs in its own engine over the same requests, and the engines take one step each, in an order
-reversed every step, every step timed alone; a method's time is the sum of its steps. Speeds on
+drawn afresh every step (`step_orders`), every step timed alone; a method's time is the sum of its
+steps. Speeds on
 these machines drift 10-20% within minutes, in humps as well as slopes (prose at concurrency 4,
 methods run one after another in the order target-only, AV, AV, target-only: target-only's steps
 took a median 74 and 71 ms, AV's 83 and 83 ms with nothing drafted; the same pair minutes later,
@@ -33,10 +34,8 @@ methods; stepped in turn, every method meets the same moments within a second. B
 one warm-up request per method, and both models' thread policies (models/threads.py) make their
 trial forwards at every row count the cells will run, prefills included (the models are shared
 by all the methods, so trials left for the cells would slow whichever method first runs each
-size). With `--rounds N` each cell runs N times and its figures are over all of them, the first
-step's order reversed in odd rounds (at C = 8 every prompt is prefilled in that step, and in the
-order listed AV's prefill, sixth, read 13.4 s against target-only's 11.1 s on code: docs/adaptive.md,
-"Zen 4 EPYC, commit ee63101"). Printed per cell:
+size). With `--rounds N` each cell runs N times and its figures are over all of them, each round
+its own orders. Printed per cell:
 tokens/s, the ratio to target-only, to the best static K and to the oracle, tokens per step,
 slots drafted / verified per step, requests that skipped drafting, the seconds of the steps that
 prefilled prompts, and the decoding speed against target-only's (target-only's wall time outside
@@ -53,7 +52,9 @@ import argparse
 import collections
 import dataclasses
 import json
+import random
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -228,12 +229,28 @@ class Trace:
         self.file.close()
 
 
+def step_orders(methods: int, seed: int) -> Iterator[list[int]]:
+    """The order the methods' engines step in, turn after turn: a permutation drawn afresh every turn
+    (from a generator seeded by the round), so every method meets the machine's moments and its
+    neighbours alike. A step's time depends on the step before it: with the order listed and reversed
+    every turn, AV always stepped next to static K = 8 (its heavy steps on one side) and target-only
+    next to static K = 1, and AV decoding nothing but target-only's steps read 0.95-0.98x target-only
+    at concurrency 8 in every workload, 1.02x where the two ran alone (docs/adaptive.md, "Zen 3 EPYC,
+    AVX2, commit 407804e"); at concurrency 8 every prompt is prefilled in the first step, where the
+    order listed put AV's prefill sixth (13.4 s against target-only's 11.1 s on code, "Zen 4 EPYC,
+    commit ee63101")."""
+    generator = random.Random(seed)
+    while True:
+        order = list(range(methods))
+        generator.shuffle(order)
+        yield order
+
+
 def run_cell(target, drafter, methods: list[Method], prompts: list[list[int]], max_tokens: int,
-             concurrency: int, profile: CostProfile, first_turn: int = 0, trace: Trace | None = None) -> dict[str, Run]:
-    """Every method on the same prompts, each in its own engine, the engines stepping in turn (the
-    order reversed every step, the first step in the order listed or, with an odd `first_turn`,
-    reversed): a method's time is the sum of its own steps, each timed alone, so the machine's
-    drift falls on every method alike (see the module docstring)."""
+             concurrency: int, profile: CostProfile, seed: int = 0, trace: Trace | None = None) -> dict[str, Run]:
+    """Every method on the same prompts, each in its own engine, the engines stepping in turn, in
+    `step_orders` (seed: the round's): a method's time is the sum of its own steps, each timed alone,
+    so the machine's drift falls on every method alike (see the module docstring)."""
     params = [SamplingParams(max_tokens=max_tokens, seed=i, ignore_eos=True, **PARAMS) for i in range(len(prompts))]
     engines = []
     for name, k, adaptive, config, estimator in methods:
@@ -244,9 +261,11 @@ def run_cell(target, drafter, methods: list[Method], prompts: list[list[int]], m
         for prompt, sp in zip(prompts, params):
             engine.add_request(prompt, sp)
         engines.append((engine, result, prefilled))
-    live, turn = engines, first_turn
-    while live:
-        for engine, result, prefilled in (live if turn % 2 == 0 else live[::-1]):
+    for order in step_orders(len(engines), seed):
+        live = [engines[i] for i in order if engines[i][0].has_work()]
+        if not live:
+            break
+        for engine, result, prefilled in live:
             prefilled[0] = False
             start = time.perf_counter()
             engine.step()
@@ -254,8 +273,6 @@ def run_cell(target, drafter, methods: list[Method], prompts: list[list[int]], m
             result.seconds += seconds
             if prefilled[0]:
                 result.prefill_seconds += seconds
-        turn += 1
-        live = [e for e in live if e[0].has_work()]
     for engine, result, _ in engines:
         stats = engine.stats
         result.tokens, result.steps = stats.emitted_tokens, stats.steps
