@@ -157,7 +157,7 @@ def test_every_method_steps_in_every_place_and_after_every_other_method_alike():
     pairs = [(a, b) for a in range(methods) for b in range(methods) if a != b]
     expected = turns / methods * (1 + 1 / methods)  # in a turn, and across its boundary to the next
     assert all(0.8 * expected < follows[pair] < 1.2 * expected for pair in pairs)
-    # the reversed order it replaced fails this: AV (last listed) only ever follows K = 8 or itself
+    # the reversed order it replaced fails this: AV (listed last) never steps right after target-only (first)
     reversed_orders = [list(range(methods))[:: 1 if t % 2 == 0 else -1] for t in range(turns)]
     sequence = [m for order in reversed_orders for m in order]
     assert collections.Counter(zip(sequence, sequence[1:]))[(0, methods - 1)] == 0

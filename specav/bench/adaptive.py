@@ -14,7 +14,7 @@ top-k 20, top-p 0.8, request i seeded with i, through:
     static K=k     every request drafts and verifies k slots per step
     AV             adaptive verification, K = --av-k at most (the engine's default config otherwise)
     AV a=x,b=y     AV with those AdaptiveConfig fields changed, or EstimatorConfig fields named
-                   estimator.FIELD (one row per --av-variant; it takes its turn right after AV, and the
+                   estimator.FIELD (one row per --av-variant, stepping in turn with the others; the
                    goals are AV's own)
     oracle         drafts and verifies exactly up to the first rejection: replayed from the
                    static K=8 run's steps (same accepted counts, so the same emitted tokens) through
@@ -25,8 +25,7 @@ top-k 20, top-p 0.8, request i seeded with i, through:
 Every row is measured in this one process, the methods stepping in turn per cell: each method
 runs in its own engine over the same requests, and the engines take one step each, in an order
 drawn afresh every step (`step_orders`), every step timed alone; a method's time is the sum of its
-steps. Speeds on
-these machines drift 10-20% within minutes, in humps as well as slopes (prose at concurrency 4,
+steps. Speeds on these machines drift 10-20% within minutes, in humps as well as slopes (prose at concurrency 4,
 methods run one after another in the order target-only, AV, AV, target-only: target-only's steps
 took a median 74 and 71 ms, AV's 83 and 83 ms with nothing drafted; the same pair minutes later,
 77 and 77 ms), so methods run one after the other compare the machine's moments, not the
@@ -236,7 +235,7 @@ def step_orders(methods: int, seed: int) -> Iterator[list[int]]:
     every turn, AV always stepped next to static K = 8 (its heavy steps on one side) and target-only
     next to static K = 1, and AV decoding nothing but target-only's steps read 0.95-0.98x target-only
     at concurrency 8 in every workload, 1.02x where the two ran alone (docs/adaptive.md, "Zen 3 EPYC,
-    AVX2, commit 407804e"); at concurrency 8 every prompt is prefilled in the first step, where the
+    AVX2 only: commit 407804e, and the methods' step order"); at concurrency 8 every prompt is prefilled in the first step, where the
     order listed put AV's prefill sixth (13.4 s against target-only's 11.1 s on code, "Zen 4 EPYC,
     commit ee63101")."""
     generator = random.Random(seed)
