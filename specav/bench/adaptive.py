@@ -22,19 +22,19 @@ top-k 20, top-p 0.8, request i seeded with i, through:
                    a request's first drafter forward feeds what its drafter has not seen (its
                    prompt, and every token since it last drafted), as any drafting method's must
 
-Every row is measured in this one process, the methods stepping in turn per cell: each method
-runs in its own engine over the same requests, and the engines take one step each, in an order
-drawn afresh every step (`step_orders`), every step timed alone; a method's time is the sum of its
-steps. Speeds on these machines drift 10-20% within minutes, in humps as well as slopes (prose at concurrency 4,
-methods run one after another in the order target-only, AV, AV, target-only: target-only's steps
-took a median 74 and 71 ms, AV's 83 and 83 ms with nothing drafted; the same pair minutes later,
-77 and 77 ms), so methods run one after the other compare the machine's moments, not the
-methods; stepped in turn, every method meets the same moments within a second. Before the cells,
-one warm-up request per method, and both models' thread policies (models/threads.py) make their
-trial forwards at every row count the cells will run, prefills included (the models are shared
-by all the methods, so trials left for the cells would slow whichever method first runs each
-size). With `--rounds N` each cell runs N times and its figures are over all of them, each round
-its own orders. Printed per cell:
+Every row is measured in this one process, the methods stepping in turn per cell: each method runs
+in its own engine over the same requests, and the engines take one step each, in an order drawn
+afresh every step (`step_orders`), every step timed alone; a method's time is the sum of its steps.
+Speeds on these machines drift 10-20% within minutes, in humps as well as slopes (prose at
+concurrency 4, methods run one after another in the order target-only, AV, AV, target-only:
+target-only's steps took a median 74 and 71 ms, AV's 83 and 83 ms with nothing drafted; the same
+pair minutes later, 77 and 77 ms), so methods run one after the other compare the machine's moments,
+not the methods; stepped in turn, every method meets the same moments within a second. Before the
+cells, one warm-up request per method, and both models' thread policies (models/threads.py) make
+their trial forwards at every row count the cells will run, prefills included (the models are shared
+by all the methods, so trials left for the cells would slow whichever method first runs each size).
+With `--rounds N` each cell runs N times and its figures are over all of them, each round its own
+orders. Printed per cell:
 tokens/s, the ratio to target-only, to the best static K and to the oracle, tokens per step,
 slots drafted / verified per step, requests that skipped drafting, the seconds of the steps that
 prefilled prompts, and the decoding speed against target-only's (target-only's wall time outside
@@ -231,13 +231,13 @@ class Trace:
 def step_orders(methods: int, seed: int) -> Iterator[list[int]]:
     """The order the methods' engines step in, turn after turn: a permutation drawn afresh every turn
     (from a generator seeded by the round), so every method meets the machine's moments and its
-    neighbours alike. A step's time depends on the step before it: with the order listed and reversed
-    every turn, AV always stepped next to static K = 8 (its heavy steps on one side) and target-only
-    next to static K = 1, and AV decoding nothing but target-only's steps read 0.95-0.98x target-only
-    at concurrency 8 in every workload, 1.02x where the two ran alone (docs/adaptive.md, "Zen 3 EPYC,
-    AVX2 only: commit 407804e, and the methods' step order"); at concurrency 8 every prompt is prefilled in the first step, where the
-    order listed put AV's prefill sixth (13.4 s against target-only's 11.1 s on code, "Zen 4 EPYC,
-    commit ee63101")."""
+    neighbours alike. A step's time depends on the step before it: with the order listed and
+    reversed every turn, AV always stepped next to static K = 8 (its heavy steps on one side) and
+    target-only next to static K = 1, and AV decoding nothing but target-only's steps read
+    0.95-0.98x target-only at concurrency 8 in every workload, 1.02x where the two ran alone
+    (docs/adaptive.md, "Zen 3 EPYC, AVX2 only: commit 407804e, and the methods' step order"); at
+    concurrency 8 every prompt is prefilled in the first step, where the order listed put AV's
+    prefill sixth (13.4 s against target-only's 11.1 s on code, "Zen 4 EPYC, commit ee63101")."""
     generator = random.Random(seed)
     while True:
         order = list(range(methods))
