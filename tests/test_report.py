@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from specav.acceptance.estimator import OnlineAcceptanceEstimator
 from specav.config import EstimatorConfig
 from specav.evaluation.replay import replay_online
 from specav.evaluation.report import (
@@ -190,8 +191,6 @@ def simulate_engine_log(directory: Path, config: EstimatorConfig, steps: int, se
     """A slot log written the way the engine writes one: per step, the requests in the batch are
     scored by a live estimator, verified slot by slot, logged (labelled slots only) and observed.
     Some steps label nothing (they leave a gap in the step column)."""
-    from specav.acceptance.estimator import OnlineAcceptanceEstimator
-
     rng = np.random.default_rng(seed)
     k, truth = 4, np.array([0.6, 0.3, 0.0, -0.3])
     est = OnlineAcceptanceEstimator(k, config)
@@ -261,3 +260,24 @@ def test_replay_counts_gaps_and_logs_as_steps() -> None:
     assert empty.confidence.size == 0 and empty.num_steps == 0 and empty.estimator.num_slots == 3
     with pytest.raises(ValueError, match=r"positions must lie in \[1, K = 1\]"):
         replay_online(np.array([0]), np.array([0]), np.array([2]), np.zeros(1), np.ones(1), num_slots=1)
+
+
+def test_replay_goes_on_through_label_free_steps_after_the_last_label() -> None:
+    """An engine steps on after its last draft, and a refit due by steps falls there: with the
+    trailing steps the replay makes it too, equal to an estimator fed step by step."""
+    config = EstimatorConfig(refit_interval=5, cold_start_labels=0)
+    f, admitted, accepted = np.array([[1.5, -0.5]]), np.array([2]), np.array([1])
+    live = OnlineAcceptanceEstimator(2, config)
+    for step in range(9):  # one labelled step (step 1), then label-free steps 2..8
+        empty = step != 1
+        live.observe(torch.from_numpy(f[:0] if empty else f), torch.from_numpy(admitted[:0] if empty else admitted),
+                     torch.from_numpy(accepted[:0] if empty else accepted))
+    assert live.num_refits == 1 and live.slope != 1.0  # the refit fell at step 4, after the last label
+    args = (np.array([1, 1]), np.array([0, 0]), np.array([1, 2]), f[0], np.array([1, 0]), config)
+    assert replay_online(*args).estimator.num_refits == 0  # the log alone ends at step 1
+    r = replay_online(*args, trailing_steps=7)
+    assert r.num_steps == 9 and r.estimator.num_refits == 1
+    assert r.estimator.slope == pytest.approx(live.slope, abs=1e-12)
+    np.testing.assert_allclose(r.estimator.intercepts.numpy(), live.intercepts.numpy(), atol=1e-12)
+    with pytest.raises(ValueError, match="trailing_steps"):
+        replay_online(*args, trailing_steps=-1)

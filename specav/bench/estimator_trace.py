@@ -11,9 +11,8 @@ engine fed it (`evaluation/replay.py`), through the default EstimatorConfig and 
 the same labels (`fit_position_logistic`, an exact Newton fit): the final parameters' log-loss
 over the stream's labels less the MLE's, and the prequential log-loss (each slot scored before
 its label was learned). The labels a replay sees are the ones the recorded run produced: its
-drafts and trims followed the recorded estimator, not the replayed one; and the replay ends at a
-stream's last labelled step (a refit the engine made in the label-free steps after it is not
-replayed).
+drafts and trims followed the recorded estimator, not the replayed one; the replay goes on to a
+stream's last step, label-free after its last draft, as the engine did (a refit can fall there).
 
 This program owns only the measurement.
 """
@@ -48,6 +47,7 @@ class Slots:
     feature: np.ndarray
     label: np.ndarray
     num_slots: int  # K
+    trailing_steps: int = 0  # the stream's steps after its last labelled one
 
 
 def read_streams(path: str, num_slots: int = 0) -> dict[StreamKey, Slots]:
@@ -57,17 +57,20 @@ def read_streams(path: str, num_slots: int = 0) -> dict[StreamKey, Slots]:
         lines = [json.loads(line) for line in f if line.strip()]
     k = num_slots or max((len(line["features"]) for line in lines), default=1)
     rows: dict[StreamKey, list[tuple]] = {}
+    last_step: dict[StreamKey, int] = {}
     for row, line in enumerate(lines):  # a line is one request's draft row of one step
         key = (line["workload"], line["concurrency"], line["round"], line.get("method", "AV"))
         slots = rows.setdefault(key, [])
+        last_step[key] = max(last_step.get(key, 0), line["step"])
         accepted = line["accepted"]
         for i, f in enumerate(line["features"][:min(line["admitted"], accepted + 1)]):
             slots.append((line["step"], row, i + 1, f, float(i < accepted)))
     streams = {}
     for key, slots in rows.items():
         step, request, position, feature, label = zip(*slots) if slots else ((),) * 5
+        trailing = last_step[key] - max(step, default=last_step[key])
         streams[key] = Slots(np.array(step, np.int64), np.array(request, np.int64), np.array(position, np.int64),
-                             np.array(feature, np.float64), np.array(label, np.float64), k)
+                             np.array(feature, np.float64), np.array(label, np.float64), k, trailing)
     return streams
 
 
@@ -81,7 +84,7 @@ class Replay:
 
 def replay(slots: Slots, config: EstimatorConfig, mle_log_loss: float) -> Replay:
     r = replay_online(slots.step, slots.request, slots.position, slots.feature, slots.label, config,
-                      num_slots=slots.num_slots)
+                      num_slots=slots.num_slots, trailing_steps=slots.trailing_steps)
     est = r.estimator
     final = est.slope * slots.feature + est.intercepts.numpy()[slots.position - 1]
     return Replay(est.slope, log_loss(1 / (1 + np.exp(-final)), slots.label) - mle_log_loss,

@@ -13,7 +13,8 @@ row: positions 1..m labelled, so m slots were verified and the accepted count is
 number of leading 1 labels. Steps are numbered from 0 in each log; a gap in the step
 column (steps where nothing was labelled) counts as that many empty steps, and a step
 number that does not increase (a synthetic log whose requests run one after another)
-counts as one step.
+counts as one step. `trailing_steps` adds label-free steps after the last labelled one (an
+engine goes on stepping after its last draft, and a refit can fall in those steps).
 
 Speed: parameters change only at refits, so the steps between two refits are scored and
 observed in one call (`OnlineAcceptanceEstimator.next_refit` says where the next refit
@@ -26,6 +27,7 @@ report's layout.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -100,14 +102,17 @@ def _as_steps(step: np.ndarray, request: np.ndarray, position: np.ndarray, featu
 
 def replay_online(step: np.ndarray, request: np.ndarray, position: np.ndarray, feature: np.ndarray,
                   label: np.ndarray, config: EstimatorConfig = EstimatorConfig(),
-                  log: np.ndarray | None = None, num_slots: int | None = None) -> ReplayResult:
+                  log: np.ndarray | None = None, num_slots: int | None = None,
+                  trailing_steps: int = 0) -> ReplayResult:
     """Replay the estimator over labelled slots in log order (all arrays `# [N]`).
 
     step: engine step of each slot; request: any per-request code (ints or strings);
     position: 1-based draft position; feature: logit(q_max); label: 1 accepted / 0 rejected;
     log: which pooled log a slot comes from (None: one log); num_slots: K (default: the
-    largest position).
+    largest position); trailing_steps: label-free decode steps after the last labelled one.
     """
+    if not isinstance(trailing_steps, int) or trailing_steps < 0:
+        raise ValueError(f"trailing_steps = {trailing_steps!r} is invalid: decode steps, an integer >= 0")
     n = np.asarray(label).size
     position = np.asarray(position, np.int64)
     k = int(num_slots or (position.max() if n else 1))
@@ -118,6 +123,9 @@ def replay_online(step: np.ndarray, request: np.ndarray, position: np.ndarray, f
     log = np.zeros(n, np.int64) if log is None else np.asarray(log)
     s = _as_steps(np.asarray(step, np.int64), np.asarray(request), position,
                   np.asarray(feature, np.float64), np.asarray(label), log, k)
+    if trailing_steps:  # one more step group: its gap, and a last step with no draft row
+        s = dataclasses.replace(s, steps=np.r_[s.steps, trailing_steps], labels=np.r_[s.labels, 0.0],
+                                row_start=np.r_[s.row_start, s.row_start[-1]])
     est = OnlineAcceptanceEstimator(k, config)
     confidence = np.full((s.features.shape[0], k), np.nan)
     clock = _Clock(np.r_[0, np.cumsum(s.steps)], np.r_[0.0, np.cumsum(s.labels)])
