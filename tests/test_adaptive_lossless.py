@@ -245,8 +245,9 @@ RULES = {  # rule -> planner settings that make it fire often on the tiny pair
 @pytest.mark.parametrize("rule", RULES)
 def test_engine_output_matches_the_target_with_each_adaptive_rule(pair, rule):
     planner, probes, entries = make_planner(**RULES[rule]), [], []
-    pay_probe, entry_pays = planner._pay_probe, planner._entry_pays
-    planner._pay_probe = lambda shape: probes.append(pay_probe(shape)) or probes[-1]
+    pay, entry_pays = planner._pay_learning, planner._entry_pays
+    # (a probe pays for one slot; the cold start, paid from the same budget, for a whole block)
+    planner._pay_learning = lambda shape, slots: (paid := pay(shape, slots), slots > 1 or probes.append(paid))[0]
     planner._entry_pays = lambda *args: entries.append(entry_pays(*args)) or entries[-1]
     controls, draft_plan = [], planner.draft_plan
     planner.draft_plan = lambda *args: (plan := draft_plan(*args), controls.append(planner._control))[0]

@@ -241,6 +241,7 @@ def test_cold_start_drafts_one_whole_block_the_cheapest_catch_up():
     assert plan.explore.tolist() == [False, True, False]
     assert plan.reasons == ("", "cold start", "")  # what the stats count its slots under
     assert plan.stop_rule.keep_drafting(0, [1], {"logit_q_max": torch.tensor([-9.0])}).tolist() == [True]
+    p.probe_budget = 0.0  # (the block is paid from the probe budget: the next test)
     assert p.draft_plan(requests(3), [4, 0, 4], shapes).num_slots == [0, 0, 4]  # one at max_tokens
     p.population = Population.of([[6.0]])  # once one has drafted, the population's features stand in for the rest
     assert p.draft_plan(requests(3), [4, 4, 4], shapes).num_slots == [4, 4, 4]
@@ -260,7 +261,30 @@ def test_the_cold_start_block_comes_after_an_answers_first_tokens():
     plan = p.draft_plan(batch, [4, 4, 4], shapes)
     assert plan.num_slots == [4, 0, 0] and plan.reasons == ("cold start", "", "")
     batch[2].output_ids.append(7)
+    p.probe_budget = 0.0  # (the block is paid from the probe budget)
     assert p.draft_plan(batch, [4, 4, 4], shapes).num_slots == [0, 0, 4]  # the cheaper catch-up of the two
+
+
+def test_the_cold_start_is_paid_from_the_probe_budget():
+    """The cold start is learning, the dearest probe of all: it waits while the probe budget is in
+    debt, and takes its whole price from it (its catch-up, and its block drafted and verified), so
+    the probes that would follow it wait until the budget has earned it back."""
+    p = planner(4)
+    shape = RequestShape(1, 10, draft_pending=10)
+    p.probe_budget = -1e-6  # in debt: no cold start
+    assert p.draft_plan(requests(1), [4], [shape]).num_slots == [0]
+    p.probe_budget = 0.0
+    assert p.draft_plan(requests(1), [4], [shape]).num_slots == [4]
+    block = 4 * p.cost.draft_seconds(1, 10) + p.cost.verify_added(1, 4, 40)
+    assert p._catch_up_seconds(shape) > 0
+    assert p.probe_budget == pytest.approx(-(p._catch_up_seconds(shape) + block))
+    p.population = Population.of([[-6.0]])  # the block failed: its request stops, and its probe waits
+    request = requests(1)[0]
+    p.history[request.request_id] = type(p._history(request))(samples=BlockSamples.of([[-6.0]], 100.0),
+                                                               probing=True)
+    assert p.draft_plan([request], [4], [RequestShape(1, 10, draft_pending=2)]).num_slots == [0]
+    p.probe_budget = 0.0  # earned back: the probe runs
+    assert p.draft_plan([request], [4], [RequestShape(1, 10, draft_pending=2)]).reasons == ("probe",)
 
 
 def test_the_cold_start_waits_until_a_perfect_drafter_could_repay_it():

@@ -42,8 +42,8 @@ Rules (survival s_i = product of a request's confidences 1..i, architecture.md):
   up to `max_probe_interval`. Probes are paid from a budget, `probe_share` of the measured step
   time: a probe's catch-up costs the drafter a forward over every token skipped, so probing on
   a timer alone would cost a fixed share of compute (about 1.5-4 ms per skipped token on this
-  project's CPUs) however rarely it ran. A due probe waits while the budget is in debt; in
-  credit, it pays its price (the drafter forward over its pending tokens and one verified
+  project's CPUs) however rarely it ran (the cold start, below, is paid from it too). A due
+  probe waits while the budget is in debt; out of debt, it pays its price (the drafter forward over its pending tokens and one verified
   slot), into debt if need be: the price grows by a skipped token's catch-up every step it
   waits, faster than the budget at concurrency 1, so waiting for the whole price would be
   waiting for ever.
@@ -70,7 +70,9 @@ Rules (survival s_i = product of a request's confidences 1..i, architecture.md):
   load where it is deferred until a plan first drafts: `CostModel.draft_setup`). Where even a
   perfect drafter would not repay it (a short request, or a machine whose verification costs
   several one-token forwards), nothing drafts, and a deferred drafter is never loaded; the bound
-  is checked every step with that step's cost model.
+  is checked every step with that step's cost model. The cold start is learning like a probe,
+  and the dearest: it waits while the probe budget is in debt and takes its price (catch-up and
+  block) from it, so the probes after it wait until the budget has earned it back.
 * Admit (the plan stage, the trim). Drafting is sunk by then, so a slot pays if its survival
   s >= lambda * (marginal verify seconds, attention to the request's context included). All
   drafted slots of the batch are scanned in descending survival (ties by position, then by
@@ -501,7 +503,7 @@ class AdaptivePlanner:
                 forced.append(i)
                 reasons[i] = "explore"
             elif h.probing:
-                if not self._pay_probe(shapes[i]):
+                if not self._pay_learning(shapes[i], 1):
                     continue  # due, but the budget is in debt
                 forced.append(i)
                 reasons[i] = "probe"
@@ -543,8 +545,8 @@ class AdaptivePlanner:
             return []  # (an answer's first tokens are its least predictable: AdaptiveConfig.cold_start_after)
         first = min(ready, key=lambda i: (shapes[i].draft_pending, i))
         remaining = sum(requests[i].remaining for i in unknown)
-        return [first] if self._cold_start_pays(shapes[first], remaining, len(shapes), prices.catch_up,
-                                                prices.entry_row) else []
+        pays = self._cold_start_pays(shapes[first], remaining, len(shapes), prices.catch_up, prices.entry_row)
+        return [first] if pays and self._pay_learning(shapes[first], max_slots[first]) else []
 
     def _cold_start_pays(self, shape: RequestShape, remaining: int, pending: int, rate: float,
                          draft_row: float) -> bool:
@@ -601,16 +603,20 @@ class AdaptivePlanner:
         d, context = shape.draft_pending, shape.draft_context
         return self.cost.draft_seconds(d, attended(d, context)) - self.cost.draft_seconds(1, context + d - 1)
 
-    def _pay_probe(self, shape: RequestShape) -> bool:
-        """Whether the probe budget is in credit (and if so, take this probe's price from it, into
-        debt if need be: a probe's price grows with every token its request skips, by more than the
-        budget grows in a step at concurrency 1, so a probe that waited for its whole price to be
-        covered never ran; code at concurrency 1 decoded most of its requests target-only after one
-        refused entry). Probes still spend at most `probe_share` of compute, and one probe more."""
-        if self.probe_budget <= 0:
+    def _pay_learning(self, shape: RequestShape, slots: int) -> bool:
+        """Whether the probe budget is not in debt (and if so, take from it the price of this
+        request's catch-up and `slots` slots drafted and verified, into debt if need be). Learning
+        is paid from it, a probe's slot and the cold start's whole block alike: the cold start is
+        the dearest probe there is (on chat at concurrency 1, 0.5 s of compute where a probe took
+        0.1-0.5), and outside the budget, learning spent three times `probe_share` in the first
+        minute of traffic. A probe's price grows with every token its request skips, by more than
+        the budget grows in a step at concurrency 1, so a probe that waited for its whole price to
+        be covered never ran (code at concurrency 1 decoded most of its requests target-only after
+        one refused entry): learning spends at most `probe_share` of compute, and one price more."""
+        if self.probe_budget < 0:
             return False
-        self.probe_budget -= self._catch_up_seconds(shape) + self.cost.draft_seconds(1, shape.slot_attended) + \
-            self.cost.verify_added(shape.pending, 1, shape.slot_attended)
+        self.probe_budget -= self._catch_up_seconds(shape) + slots * self.cost.draft_seconds(1, shape.slot_attended) + \
+            self.cost.verify_added(shape.pending, slots, slots * shape.slot_attended)
         return True
 
     def _choose_first_slot(self, requests: Sequence[Request], candidates: list[int], forced: list[int],
