@@ -293,10 +293,11 @@ class AdaptiveConfig:
         probe makes the drafter catch up on every token the request skipped, so they are paid
         from a budget that grows by this share of each step's measured time; a due probe (or the
         cold start) waits while the budget is in debt, and out of debt pays its whole price, so
-        learning spends this share and one price more. Default 0.005 (0.5%): where nothing
-        drafts, what AV costs beside target-only decoding must stay under 2% in all, and at 0.01
-        probes took about 1.2% of it on chat at concurrency 1 (a probe's catch-up of a refused
-        request's prompt is ~70 drafter tokens); at 0.02, all of it.
+        learning spends this share and one price more (a probe the traffic says pays is no
+        learning: verification/adaptive.py runs it outside the budget). Default 0.005 (0.5%):
+        where nothing drafts, what AV costs beside target-only decoding must stay under 2% in
+        all, and at 0.01 probes took about 1.2% of it on chat at concurrency 1 (a probe's
+        catch-up of a refused request's prompt is ~70 drafter tokens); at 0.02, all of it.
     min_speedup: the least speed-up over target-only decoding that drafting must be predicted to
         bring before AV drafts (the floor of the price of compute, as a multiple of the target-only
         rate). Above 1 because predictions err: on the packaged pair, drafting steps' times were

@@ -345,6 +345,25 @@ def test_a_due_probe_waits_while_the_budget_is_in_debt_and_pays_its_catch_up():
     assert p.probe_budget == pytest.approx(-0.75 * price)
 
 
+def test_a_probe_the_traffic_says_pays_runs_whatever_the_budget():
+    """A request that stopped on a hard stretch (its own recent blocks failed) falls due for a
+    probe; where drafting would repay its catch-up were it like the traffic's recent requests,
+    the probe is an investment and runs with the budget in debt. Where the traffic's drafts
+    failed too, it is learning, and waits for the budget."""
+    def due_probe(population: Population) -> tuple[int, ...]:
+        p = planner(4, probe_interval=1)
+        p.population = population
+        request = Request([1, 2, 3], SamplingParams(max_tokens=400), request_id="r0")
+        p.history["r0"] = type(p._history(request))(samples=BlockSamples.of([[-6.0]], 100.0), wait=1)
+        p.probe_budget = -10.0  # deep in debt (the cold start's block)
+        shape = RequestShape(1, 10, draft_pending=8)
+        assert p.draft_plan([request], [4], [shape]).num_slots == [0]  # the wait's last step: it falls due
+        return p.draft_plan([request], [4], [shape]).reasons
+
+    assert due_probe(Population.of([[6.0, 6.0, 6.0, 6.0]] * 4)) == ("probe",)
+    assert due_probe(Population.of([[-6.0, -6.0]] * 4)) == ("",)
+
+
 def test_probes_spend_their_share_however_fast_their_price_grows():
     """A probe's price grows with every token its request skips, faster than the budget grows at
     concurrency 1: a due probe still runs, and probes spend the budget's share and one probe more."""

@@ -12,8 +12,9 @@ meant to never be slower. The speed-up is each request's own (an EMA over its st
 new request), averaged over the batch: every request must be served, so the time a step takes
 is worth what the requests in it could do with it, not what other traffic did (one global
 rate, lifted by a run of code, would price a prose request's drafts that beat plain decoding
-out; only the wait's value, below, expects a new request to be like the traffic). A request's share of a step's measured time is its target-only share plus the step's extra
-time split over the requests by the predicted cost of their slots.
+out; only the wait's value, below, expects a new request to be like the traffic). A request's
+share of a step's measured time is its target-only share plus the step's extra time split over
+the requests by the predicted cost of their slots.
 
 Rules (survival s_i = product of a request's confidences 1..i, architecture.md):
 
@@ -43,10 +44,14 @@ Rules (survival s_i = product of a request's confidences 1..i, architecture.md):
   time: a probe's catch-up costs the drafter a forward over every token skipped, so probing on
   a timer alone would cost a fixed share of compute (about 1.5-4 ms per skipped token on this
   project's CPUs) however rarely it ran (the cold start, below, is paid from it too). A due
-  probe waits while the budget is in debt; out of debt, it pays its price (the drafter forward over its pending tokens and one verified
-  slot), into debt if need be: the price grows by a skipped token's catch-up every step it
-  waits, faster than the budget at concurrency 1, so waiting for the whole price would be
-  waiting for ever.
+  probe waits while the budget is in debt; out of debt, it pays its price (the drafter forward
+  over its pending tokens and one verified slot), into debt if need be: the price grows by a
+  skipped token's catch-up every step it waits, faster than the budget at concurrency 1, so
+  waiting for the whole price would be waiting for ever. A probe is no learning where the
+  traffic says it pays: if, the step it falls due, drafting would repay the request's catch-up
+  were the request like the traffic's recent requests (the catch-up rule's value of a new
+  request, below), it runs outside the budget (a code request that stopped on a hard stretch
+  was held by the cold start's debt for the rest of its answer: 73 of 93 steps target-only).
 * Catch-up. A request whose drafter has more than the usual one or two tokens to catch up on
   (a new request's prompt) joins the draft rule only if drafting is predicted to beat
   target-only decoding, over its remaining tokens, by more than the catch-up costs (the value
@@ -304,6 +309,7 @@ class _History:
     wait: int = 0  # steps left before it may draft again
     interval: int = 1  # the wait after its next probe that does not pay
     probing: bool = False  # its next slot 1 is drafted whatever the rule says (after a wait)
+    invest: bool = False  # that probe repays its catch-up if the request is like the traffic: unbudgeted
     speedup: float = 1.0  # EMA of its measured rate / its target-only rate (the price of compute)
     measured: int = 0  # decoding steps that EMA has measured
     first_predicted: float = math.nan  # slot 1's confidence as the draft rule last predicted it (unscaled)
@@ -503,13 +509,16 @@ class AdaptivePlanner:
                 forced.append(i)
                 reasons[i] = "explore"
             elif h.probing:
-                if not self._pay_learning(shapes[i], 1):
+                if not (h.invest or self._pay_learning(shapes[i], 1)):
                     continue  # due, but the budget is in debt
                 forced.append(i)
                 reasons[i] = "probe"
             elif h.wait > 0:
                 h.wait -= 1
-                h.probing = h.wait == 0
+                if h.wait == 0:  # due: valued once, the step it falls due
+                    h.probing = True
+                    h.invest = self._traffic_repays(request, shapes[i], len(shapes), prices.catch_up,
+                                                    prices.entry_row)
                 continue
             elif shapes[i].draft_pending > _CAUGHT_UP and \
                     not self._entry_pays(request, shapes[i], len(shapes), prices.catch_up, prices.entry_row):
@@ -573,10 +582,16 @@ class AdaptivePlanner:
         while drafting pays, so it is worth the mean over those requests of what drafting would
         gain were it like each, nothing where it would gain nothing (valued at the traffic's mean
         block, one request whose drafts failed refused the next ones whose drafts would have paid)."""
-        if self._history(request).samples.blocks:
-            expected = self._predicted_blocks(*self._history_samples([request]))
-        else:
-            expected = self._predicted_blocks(*self.population.samples(self.num_slots))
+        if not self._history(request).samples.blocks:
+            return self._traffic_repays(request, shape, pending, rate, draft_row)
+        expected = self._predicted_blocks(*self._history_samples([request]))
+        return self._drafting_repays(expected, shape, request.remaining, pending, rate, draft_row)
+
+    def _traffic_repays(self, request: Request, shape: RequestShape, pending: int, rate: float,
+                        draft_row: float) -> bool:
+        """Whether drafting would repay the request's catch-up were it like the traffic's recent
+        requests (the population, as `_entry_pays` values a new request)."""
+        expected = self._predicted_blocks(*self.population.samples(self.num_slots))
         return self._drafting_repays(expected, shape, request.remaining, pending, rate, draft_row)
 
     def _drafting_repays(self, expected: torch.Tensor, shape: RequestShape, remaining: int, pending: int,
