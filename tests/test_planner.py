@@ -350,7 +350,7 @@ def test_a_probe_the_traffic_says_pays_runs_whatever_the_budget():
     probe; where drafting would repay its catch-up were it like the traffic's recent requests,
     the probe is an investment and runs with the budget in debt. Where the traffic's drafts
     failed too, it is learning, and waits for the budget."""
-    def due_probe(population: Population) -> tuple[int, ...]:
+    def due_probe(population: Population) -> tuple[str, ...]:
         p = planner(4, probe_interval=1)
         p.population = population
         request = Request([1, 2, 3], SamplingParams(max_tokens=400), request_id="r0")
