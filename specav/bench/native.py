@@ -23,8 +23,11 @@ section ends with how many cores other processes kept busy meanwhile, bench/load
   many layers ran as one call;
 - contention: the target's one-row forward with a busy process (`while True: pass`) pinned to the
   last core, relative to the quiet --threads-thread forward: with fixed thread counts and with the
-  model's own policy (threads.ThreadChoice); the busy process is stopped before the program ends
-  (goal: slowdown <= 2x).
+  model's own policy (threads.ThreadChoice), forward by forward in turns, each by its mean time; the
+  busy process is stopped before the program ends (goal: slowdown <= 2x).
+
+Row counts, models and schedules are measured in rounds (every one of them once a round), so
+that drift within the run, 10-30% within seconds on these VMs, falls on all of them alike.
 """
 
 from __future__ import annotations
@@ -112,9 +115,9 @@ def forwards(models: dict, rows: tuple[int, ...], repeats: int) -> dict[str, dic
         m.forward([context], [caches[name]], [0])
     times = {name: {n: [] for n in rows} for name in models}
     warmup = ThreadChoice.warmup_forwards(torch.get_num_threads())  # the models' policy tries each count first
-    for n in rows:
-        new = torch.randint(0, vocab, (n,), generator=gen).tolist()
-        for _ in range(repeats + warmup):
+    news = {n: torch.randint(0, vocab, (n,), generator=gen).tolist() for n in rows}
+    for _ in range(repeats + warmup):  # rounds of every (row count, model): the VM's drift falls on all alike
+        for n, new in news.items():
             for name, m in models.items():
                 times[name][n].append(time_forward(m, caches[name], new))
     return {name: {n: statistics.median(t[warmup:]) for n, t in per.items()} for name, per in times.items()}
@@ -143,10 +146,10 @@ def schedule_table(target, repeats: int) -> None:
     target.forward([context], [cache], [0])
     warmup = ThreadChoice.warmup_forwards(torch.get_num_threads())
     times = {s: {n: [] for n in SCHEDULE_ROWS} for s in schedule.SCHEDULES}
+    news = {n: torch.randint(0, target.vocab_size, (n,), generator=gen).tolist() for n in SCHEDULE_ROWS}
     try:
-        for n in SCHEDULE_ROWS:
-            new = torch.randint(0, target.vocab_size, (n,), generator=gen).tolist()
-            for _ in range(repeats + warmup):
+        for _ in range(repeats + warmup):  # rounds of every (row count, schedule), as in forwards()
+            for n, new in news.items():
                 for s in schedule.SCHEDULES:
                     ops.set_schedule(s)
                     times[s][n].append(time_forward(target, cache, new))
@@ -201,37 +204,50 @@ def busy_core(core: int) -> Iterator[subprocess.Popen]:
 def contention(target, repeats: int, threads: int) -> None:
     """One-row forwards with fixed thread counts (no policy) and with a fresh ThreadChoice, quiet and
     then with a busy core (the policy carries what it learnt quietly into the busy part, as a server
-    would when another process starts)."""
+    would when another process starts). The settings take turns forward by forward, so the VM's
+    drift falls on all alike (the policy's state sees only its own forwards); each is summed up by
+    its mean, the time a server spends, which for the policy includes its switch to the busy core
+    and its exploring forwards, with the median beside it."""
     core = os.cpu_count() - 1
     policy = ThreadChoice()
     settings = {f"{n} threads": n for n in sorted({threads, 1}, reverse=True)} | {"ThreadChoice": None}
-    rounds = 4 * repeats  # the policy explores every 32nd forward: enough forwards to include some
+    rounds = 4 * repeats  # the policy's switch to a busy core (two forwards) and, at one row, an exploring forward
+                          # every few seconds (threads.py: a share of its time)
     gen = torch.Generator().manual_seed(0)
     cache = target.new_cache(CONTEXT + 1)
     target.forward([torch.randint(0, target.vocab_size, (CONTEXT,), generator=gen).tolist()], [cache], [0])
-    print(f"\ncontention: target one-row forward, ms over {rounds} forwards (fixed counts: median; ThreadChoice: "
-          f"mean, its exploring forwards included), quiet, then with a busy process pinned to core {core}")
+    print(f"\ncontention: target one-row forward, ms over {rounds} forwards of each setting in turns (mean, and "
+          f"median), quiet, then with a busy process pinned to core {core}")
 
-    def run(setting: int | None) -> float:
+    def forward(setting: int | None) -> float:
         target.threads = policy if setting is None else None
         torch.set_num_threads(threads if setting is None else setting)
-        time_forward(target, cache, [7])  # warm-up
-        per = [time_forward(target, cache, [7]) for _ in range(rounds)]
-        return statistics.mean(per) if setting is None else statistics.median(per)
+        return time_forward(target, cache, [7])
+
+    def run() -> dict[str, list[float]]:
+        for setting in settings.values():  # warm-up
+            forward(setting)
+        per = {name: [] for name in settings}
+        for _ in range(rounds):
+            for name, setting in settings.items():
+                per[name].append(forward(setting))
+        return per
 
     saved = torch.get_num_threads()
     try:
         with foreign_load() as quiet_load:
-            quiet = {name: run(n) for name, n in settings.items()}
+            quiet = run()
         with busy_core(core) as busy_proc, foreign_load() as busy_load:
-            busy = {name: run(n) for name, n in settings.items()}
+            busy = run()
     finally:
         target.threads = None
         torch.set_num_threads(saved)
-    base = quiet[f"{threads} threads"]
+    base = statistics.mean(quiet[f"{threads} threads"])
     for name in settings:
-        print(f"  {name:<14} quiet {quiet[name] * 1e3:6.1f}, busy core {busy[name] * 1e3:6.1f}  ->  "
-              f"{busy[name] / base:.2f}x the quiet {threads}-thread forward")
+        q, b = quiet[name], busy[name]
+        print(f"  {name:<14} quiet {statistics.mean(q) * 1e3:6.1f} ({statistics.median(q) * 1e3:5.1f}), busy core "
+              f"{statistics.mean(b) * 1e3:6.1f} ({statistics.median(b) * 1e3:5.1f})  ->  "
+              f"{statistics.mean(b) / base:.2f}x the quiet {threads}-thread forward")
     print(f"  (quiet part: {quiet_load}; busy part: {busy_load.cores:.2f} cores, the busy process's included)")
     del busy_proc
 

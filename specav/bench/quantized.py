@@ -4,11 +4,11 @@
                                      [--spec-ks 2,4]
 
 All dtypes of the packaged target are loaded side by side and measured in turns (one
-forward or one decoding run of each, then the next round), so load from other processes
+forward of each row count, or one decoding run, of each, then the next round), so load from other processes
 on a shared machine falls on all of them alike; llama.cpp takes its turn in the decoding
 rounds. Printed:
 
-- per dtype: load time; the packed forward's time for 1, 4, 8 and 16 new tokens on a
+- per dtype: load time; the packed forward's time for 1, 4, 5, 8 and 16 new tokens on a
   128-token context (logits for every new token; median of --repeats); greedy
   target-only decoding through the engine (no drafter, EOS ignored): prefill seconds and
   decode tokens/s (one over the median time per token); the speed-up over bf16;
@@ -180,12 +180,13 @@ def measure_forwards(models: dict, results: dict[str, Result], repeats: int) -> 
     for name, model in ours.items():
         model.forward([context], [caches[name]], [0])
     warmup = ThreadChoice.warmup_forwards(torch.get_num_threads())  # models on the native kernels choose
-    for n in ROWS:                                                    # their thread count by trying each
-        new = torch.randint(0, vocab, (n,), generator=gen).tolist()
-        for _ in range(repeats + warmup):
+    news = {n: torch.randint(0, vocab, (n,), generator=gen).tolist() for n in ROWS}  # their count by trying each
+    for _ in range(repeats + warmup):  # rounds of every (row count, dtype): the VM's drift falls on all alike
+        for n, new in news.items():
             for name, model in ours.items():
                 results[name].forward_s[n].append(time_forward(model, caches[name], new))
-        for name in ours:
+    for name in ours:
+        for n in ROWS:
             del results[name].forward_s[n][:warmup]
 
 
