@@ -234,7 +234,6 @@ class OnlineAcceptanceEstimator:
                                       device=self.device)
         self._stats = torch.zeros(len(_STATS), num_slots, dtype=_DTYPE, device=self.device)
         self._pooled = torch.zeros_like(self._stats)
-        self._positions = torch.arange(num_slots, device=self.device)
         self.labels_fitted = 0.0  # labels consumed by refits so far (not decayed): the cold-start clock
         self.steps_since_refit = 0
         self.total_steps = 0
@@ -310,27 +309,17 @@ class OnlineAcceptanceEstimator:
                              f"of features [B, K]), got {tuple(t.shape)}")
         return t
 
-    def _check_counts(self, num_admitted: torch.Tensor, num_accepted: torch.Tensor) -> None:
+    def _check_counts(self, num_admitted: list[int], num_accepted: list[int]) -> None:
         """0 <= num_accepted <= num_admitted <= K per request, else an error naming the requests."""
         k = self._num_slots
-        bad = (num_accepted < 0) | (num_accepted > num_admitted) | (num_admitted > k)
-        if not bool(bad.any()):
+        rows = [b for b, (a, n) in enumerate(zip(num_admitted, num_accepted)) if n < 0 or n > a or a > k]
+        if not rows:
             return
-        rows = bad.nonzero().flatten().tolist()
-        if bool((num_admitted[bad] > k).any()):
-            raise ValueError(f"num_admitted must lie in [0, K = {k}]; requests {rows} have "
-                             f"{num_admitted[bad].tolist()}")
+        admitted, accepted = [num_admitted[b] for b in rows], [num_accepted[b] for b in rows]
+        if any(a > k for a in admitted):
+            raise ValueError(f"num_admitted must lie in [0, K = {k}]; requests {rows} have {admitted}")
         raise ValueError(f"num_accepted must lie in [0, num_admitted] per request; requests "
-                         f"{rows} violate it (num_accepted {num_accepted[bad].tolist()}, "
-                         f"num_admitted {num_admitted[bad].tolist()})")
-
-    def _labels(self, num_admitted: torch.Tensor, num_accepted: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Label mask and labels # [B, K]: slots 1..a are 1, slot a+1 is 0 if a < k, rest none."""
-        pos = self._positions
-        labelled = pos < torch.minimum(num_accepted + 1, num_admitted).unsqueeze(1)
-        accepted = pos < num_accepted.unsqueeze(1)
-        return labelled, accepted
+                         f"{rows} violate it (num_accepted {accepted}, num_admitted {admitted})")
 
     def observe(self, features: torch.Tensor, num_admitted: torch.Tensor,
                 num_accepted: torch.Tensor, *, steps: int = 1) -> None:
@@ -345,16 +334,14 @@ class OnlineAcceptanceEstimator:
             raise ValueError(f"steps = {steps!r} is invalid: allowed an integer >= 0 (decode steps "
                              "this call stands for; 1 for one engine step)")
         f = self._features(features)
-        admitted = self._counts(num_admitted, "num_admitted", f.shape[0])
-        accepted = self._counts(num_accepted, "num_accepted", f.shape[0])
-        # else none (a step that verified no slot); read as Python ints: a reduction's tensor ops cost
-        # tens of us on the caches a forward left cold, and most steps where drafts do not pay have none
-        labels = any(admitted.tolist()) or any(accepted.tolist())
+        # The counts and features as Python numbers: each torch op costs tens of us on the caches a
+        # forward left cold, and a step has a few labelled slots per request.
+        admitted = self._counts(num_admitted, "num_admitted", f.shape[0]).tolist()
+        accepted = self._counts(num_accepted, "num_accepted", f.shape[0]).tolist()
+        labels = any(admitted) or any(accepted)  # else a step that verified no slot (most where drafts do not pay)
         if labels:
             self._check_counts(admitted, accepted)
-            labelled, y = self._labels(admitted, accepted)
-            labelled &= torch.isfinite(f)
-            self._accumulate(f, labelled, y)
+            self._accumulate(f.tolist(), admitted, accepted)
         self.steps_since_refit += steps
         self.total_steps += steps
         # Pending labels grow only with labels, and a refit is taken as soon as they are due, so a
@@ -362,20 +349,34 @@ class OnlineAcceptanceEstimator:
         if self.steps_since_refit >= self.config.refit_interval or (labels and self.next_refit().labels <= 0):
             self.refit()
 
-    def _accumulate(self, f: torch.Tensor, labelled: torch.Tensor, y: torch.Tensor) -> None:
-        """stats += sums over requests of the labelled slots' terms, at the current parameters.
+    def _accumulate(self, f: list[list[float]], num_admitted: list[int], num_accepted: list[int]) -> None:
+        """stats += sums over the labelled slots of their terms, at the current parameters.
 
-        f: # [B, K] finite where labelled; labelled, y: # [B, K] bool.
+        f: # [B, K]. Labels: slots 1..a accepted (1), slot a + 1 rejected (0) if admitted, the rest
+        none; a slot whose feature is not finite gets none. A loop over the labelled slots only (a
+        prefix of each request's, a few per request): cheaper than any array op on the few dozen
+        values a step has, whose calls cost tens of us each on the caches a forward left cold.
         """
         clamp = self.config.feature_clamp
-        m = labelled.to(_DTYPE)
-        f = torch.where(labelled, f, 0.0).clamp_(-clamp, clamp)
-        p = self._confidences(f)
-        r = (y.to(_DTYPE) - p).mul_(m)
-        w = (p - p * p).mul_(m)
-        wf = w * f
-        terms = torch.stack((wf * f, wf, w, r * f, r, m))  # [6, B, K]
-        self._stats += terms.sum(dim=1)
+        slope, intercepts = float(self._slope), self._intercepts.tolist()
+        sums = [[0.0] * self._num_slots for _ in _STATS]  # rows a, b, c, g0, g1, n
+        a, b, c, g0, g1, n = sums
+        for row, admitted, accepted in zip(f, num_admitted, num_accepted):
+            for i in range(min(accepted + 1, admitted)):
+                x = row[i]
+                if not math.isfinite(x):
+                    continue
+                x = min(max(x, -clamp), clamp)
+                z = intercepts[i] + slope * x
+                p = 1.0 / (1.0 + math.exp(-z)) if z > -700.0 else 0.0
+                w, r = p - p * p, (1.0 if i < accepted else 0.0) - p
+                a[i] += w * x * x
+                b[i] += w * x
+                c[i] += w
+                g0[i] += r * x
+                g1[i] += r
+                n[i] += 1.0
+        self._stats += torch.tensor(sums, dtype=_DTYPE, device=self.device)
 
     # ---- schedule and refit -----------------------------------------------------------
 

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
-
 from specav.types import StepRecord
 
 
@@ -51,25 +49,27 @@ class EngineStats:
     drafter_load_seconds: float = 0.0  # a deferred drafter's load, paid in a step but not counted in `seconds`
     drafter_load_step: int | None = None  # the step it was paid in
     by_reason: dict[str, DraftCounts] = field(default_factory=dict)  # why requests drafted -> what they did
-    reached: torch.Tensor = field(init=False)  # [K] slots verified with all earlier slots accepted
-    accepted_at: torch.Tensor = field(init=False)  # [K] of those, accepted
+    reached: list[int] = field(init=False)  # [K] slots verified with all earlier slots accepted
+    accepted_at: list[int] = field(init=False)  # [K] of those, accepted
 
     def __post_init__(self) -> None:
-        self.reached = torch.zeros(self.num_slots, dtype=torch.int64)
-        self.accepted_at = torch.zeros(self.num_slots, dtype=torch.int64)
+        self.reached = [0] * self.num_slots
+        self.accepted_at = [0] * self.num_slots
 
     def record(self, record: StepRecord, emitted: int, seconds: float) -> None:
         """One step; emitted: the tokens its requests kept (after EOS, max_tokens, stop strings);
         seconds: its whole time, commit included."""
-        num_admitted, num_accepted = record.num_admitted, record.num_accepted
+        # B values as Python ints: each torch op costs tens of us on the caches a forward left cold
+        drafted, admitted, accepted = (record.drafts.num_drafted.tolist(), record.num_admitted.tolist(),
+                                       record.num_accepted.tolist())
         self.steps += 1
         self.request_steps += len(record.requests)
         self.emitted_tokens += emitted
-        self.drafted += int(record.drafts.num_drafted.sum())
-        self.admitted += int(num_admitted.sum())
-        self.accepted += int(num_accepted.sum())
+        self.drafted += sum(drafted)
+        self.admitted += sum(admitted)
+        self.accepted += sum(accepted)
         self.skipped += record.num_skipped
-        self._count_reasons(record)
+        self._count_reasons(record, drafted, admitted, accepted)
         self.seconds += seconds
         if record.drafts.setup_seconds:
             self.drafter_load_seconds += record.drafts.setup_seconds
@@ -82,15 +82,14 @@ class EngineStats:
         if record.plan.predicted is not None:
             self.predicted_seconds += record.plan.predicted.total
             self.predicted_measured_seconds += record.times.total
-        pos = torch.arange(1, self.num_slots + 1)  # [K]
-        # slot i was reached if it was admitted and slots 1..i-1 were accepted
-        reached = (pos[None, :] <= num_admitted[:, None]) & (pos[None, :] <= num_accepted[:, None] + 1)
-        self.reached += reached.sum(0)
-        self.accepted_at += (pos[None, :] <= num_accepted[:, None]).sum(0)
+        for a, n in zip(admitted, accepted):
+            for i in range(min(a, n + 1)):  # slot i + 1 was reached: admitted, and slots 1..i accepted
+                self.reached[i] += 1
+            for i in range(n):
+                self.accepted_at[i] += 1
 
-    def _count_reasons(self, record: StepRecord) -> None:
-        drafted, admitted = record.drafts.num_drafted.tolist(), record.num_admitted.tolist()
-        accepted = record.num_accepted.tolist()
+    def _count_reasons(self, record: StepRecord, drafted: list[int], admitted: list[int],
+                       accepted: list[int]) -> None:
         for b, reason in enumerate(record.draft_reasons):
             if not reason or not drafted[b]:
                 continue
@@ -108,7 +107,7 @@ class EngineStats:
 
     @property
     def acceptance_per_position(self) -> list[float]:
-        return [a / r if r else float("nan") for a, r in zip(self.accepted_at.tolist(), self.reached.tolist())]
+        return [a / r if r else float("nan") for a, r in zip(self.accepted_at, self.reached)]
 
     @property
     def mean_acceptance_length(self) -> float:
