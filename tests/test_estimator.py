@@ -507,6 +507,34 @@ def test_labels_follow_first_rejection_censoring():
     assert est.statistics["n"].tolist() == [6, 6, 2, 1]
 
 
+@pytest.mark.parametrize("batch,k", [(1, 4), (7, 3), (32, 8)])
+def test_statistics_are_the_labelled_slots_sums_at_the_current_parameters(batch, k):
+    """The six sums of estimator.md over the labelled slots, computed here on arrays (features
+    clamped, non-finite ones unlabelled), equal what observe adds, away from the initial
+    parameters too."""
+    rng = np.random.default_rng(batch)
+    config = dataclasses.replace(MODES["windowed"], refit_interval=10**6, feature_clamp=6.0)
+    est = OnlineAcceptanceEstimator(k, config)
+    est._slope.fill_(1.3)
+    est._intercepts.copy_(torch.linspace(-0.5, 1.5, k, dtype=torch.float64))
+    f = rng.normal(1.0, 4.0, (batch, k))
+    f[rng.random((batch, k)) < 0.1] = np.nan
+    f[0, 0], f[-1, -1] = np.inf, -np.inf
+    admitted = rng.integers(0, k + 1, batch)
+    accepted = np.minimum(rng.integers(0, k + 1, batch), admitted)
+    est.observe(torch.tensor(f, dtype=torch.float32), torch.tensor(admitted), torch.tensor(accepted))
+    x = torch.tensor(f, dtype=torch.float32).double().numpy()
+    pos = np.arange(k)
+    m = (pos < np.minimum(accepted + 1, admitted)[:, None]) & np.isfinite(x)
+    x = np.clip(np.where(m, x, 0.0), -6.0, 6.0)
+    p = 1.0 / (1.0 + np.exp(-(1.3 * x + np.linspace(-0.5, 1.5, k))))
+    w, r = p * (1.0 - p) * m, ((pos < accepted[:, None]) - p) * m
+    expected = {"a": w * x * x, "b": w * x, "c": w, "g0": r * x, "g1": r, "n": m.astype(float)}
+    for name, terms in expected.items():
+        np.testing.assert_allclose(est.statistics[name].numpy(), terms.sum(axis=0), rtol=1e-12, atol=1e-12,
+                                   err_msg=name)
+
+
 @pytest.mark.parametrize("features,admitted,accepted,match", [
     (torch.zeros(2, 3), [3, 3], [0, 0], r"\[B, K\] tensor with K = 4"),
     (torch.zeros(2, 4, dtype=torch.long), [3, 3], [0, 0], "float tensor"),
