@@ -44,12 +44,20 @@ class Ragged:
     @classmethod
     def of(cls, counts: Sequence[int] | torch.Tensor) -> "Ragged":
         k = torch.as_tensor(counts, dtype=torch.int64).reshape(-1)
-        if not bool(k.any()):  # no rows (a step that drafted or admitted nothing): nothing to lay out
+        # Laid out in Python: B counts and a few rows per request, where each torch op would cost tens
+        # of us on the caches a forward left cold.
+        per = k.tolist()
+        if any(c < 0 for c in per):
+            raise ValueError(f"ragged counts must be >= 0, got {per}")
+        if not any(per):  # no rows (a step that drafted or admitted nothing): nothing to lay out
             none = torch.zeros(0, dtype=torch.int64)
             return cls(k, torch.zeros_like(k), none, none)
-        starts = torch.cumsum(k, 0) - k
-        request = torch.repeat_interleave(torch.arange(k.shape[0]), k)
-        return cls(k, starts, request, torch.arange(request.shape[0]) - starts[request])
+        starts, request, position = [], [], []
+        for b, c in enumerate(per):
+            starts.append(len(request))
+            request += [b] * c
+            position += range(c)
+        return cls(k, torch.tensor(starts), torch.tensor(request), torch.tensor(position))
 
     @property
     def total(self) -> int:
@@ -58,15 +66,16 @@ class Ragged:
     def __len__(self) -> int:
         return int(self.counts.shape[0])
 
-    def prefix_rows(self, lengths: torch.Tensor) -> torch.Tensor:
+    def prefix_rows(self, lengths: Sequence[int] | torch.Tensor) -> torch.Tensor:
         """Flat rows of the first lengths[b] entries of each request, request-major # [sum(lengths)].
 
         lengths: # [B] int64, each <= counts[b].
         """
         if not self.total:
             return self.request
-        lengths = torch.as_tensor(lengths, dtype=torch.int64)
-        return (self.starts[self.request] + self.position)[self.position < lengths[self.request]]
+        lengths = torch.as_tensor(lengths, dtype=torch.int64).tolist()
+        rows = zip(self.starts.tolist(), lengths, self.counts.tolist())
+        return torch.tensor([s + i for s, n, c in rows for i in range(min(n, c))], dtype=torch.int64)
 
 
 @dataclass(slots=True)
@@ -159,10 +168,9 @@ class Plan:
                              f"(num_drafted {drafted_list})")
         if not drafts.layout.total:  # nothing drafted, so nothing admitted: the drafts' empty layout is the plan's
             return cls(drafts.layout, drafts.layout.request, drafts.layout.request, predicted)
-        admitted = Ragged.of(num_admitted)
-        tokens = drafts.token_ids[admitted.request, admitted.position] if admitted.total else \
-            torch.zeros(0, dtype=torch.int64)
-        return cls(admitted, drafts.layout.prefix_rows(num_admitted), tokens, predicted)
+        tokens = [t for row, a in zip(drafts.token_ids.tolist(), admitted_list) for t in row[:a]]
+        return cls(Ragged.of(num_admitted), drafts.layout.prefix_rows(admitted_list),
+                   torch.tensor(tokens, dtype=torch.int64), predicted)
 
     @property
     def num_admitted(self) -> torch.Tensor:  # [B] int64
