@@ -73,7 +73,7 @@ class Ragged:
         """
         if not self.total:
             return self.request
-        lengths = torch.as_tensor(lengths, dtype=torch.int64).tolist()
+        lengths = lengths.tolist() if isinstance(lengths, torch.Tensor) else lengths
         rows = zip(self.starts.tolist(), lengths, self.counts.tolist())
         return torch.tensor([s + i for s, n, c in rows for i in range(min(n, c))], dtype=torch.int64)
 

@@ -3,8 +3,8 @@
     python -m specav.bench.quantized [--dtypes bf16,fp32,q4,auto] [--tokens 48] [--prompts 1] [--threads N]
                                      [--spec-ks 2,4]
 
-All dtypes of the packaged target are loaded side by side and measured in turns (one
-forward of each row count, or one decoding run, of each, then the next round), so load from other processes
+All dtypes of the packaged target are loaded side by side and measured in turns (a round is one
+forward of every row count, or one decoding run, of each dtype), so load from other processes
 on a shared machine falls on all of them alike; llama.cpp takes its turn in the decoding
 rounds. Printed:
 
