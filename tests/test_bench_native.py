@@ -21,7 +21,7 @@ def test_layer_calls_times_both_ways_and_counts_the_layers(tmp_path, capsys, mon
     model.threads = None
     calls = []
     original = NativeLayerOps.decoder_layer
-    monkeypatch.setattr(NativeLayerOps, "decoder_layer", lambda self, *a: calls.append(a[2]) or original(self, *a))
+    monkeypatch.setattr(NativeLayerOps, "decoder_layer", lambda self, *a: calls.append(a[0].index) or original(self, *a))
     whole_layer = NativeLayerOps.__dict__["whole_layer"]
     bench_native.layer_calls({"drafter": model}, repeats=3)
     out = capsys.readouterr().out

@@ -1,6 +1,8 @@
-"""bench step_overhead's timing of the per-slot calls inside a step (`--calls`)."""
+"""bench step_overhead: its timing of the per-slot calls inside a step (`--calls`) and of the kernels inside the forwards."""
 
 from __future__ import annotations
+
+import time
 
 import torch
 
@@ -25,3 +27,11 @@ def test_timed_calls_count_each_call_and_put_the_originals_back():
                       "  draw_top_k (one native call)": 1, **general}
     assert all(s > 0 for s in seconds.values()) and len(probs) == 1 and tokens.shape == (1,)
     assert {name: owner.__dict__[name] for _, owner, name in step_overhead._CALLS} == before
+
+
+def test_the_kernel_clock_counts_the_outermost_call_only():
+    clock = step_overhead._KernelClock()
+    inner = clock.timed(lambda: time.sleep(0.02))
+    outer = clock.timed(lambda: (time.sleep(0.02), inner()))
+    outer()
+    assert 0.04 <= clock.seconds < 0.06  # 0.04 s of calls, not 0.06 (the inner call counted twice)

@@ -105,3 +105,17 @@ def test_kv_cache_rollback_bounds():
     assert cache.length == 0
     with pytest.raises(ValueError, match="roll back 1"):
         cache.rollback(1)
+
+
+@FAMILIES
+@DTYPES
+def test_rotary_tables_are_the_rotary_embeddings_own_numbers(family, dtype, tol):
+    """The forward reads cos / sin from tables made once (grown by doubling): bit for bit what the
+    model's rotary embedding computes at those positions."""
+    packed = PackedCausalLM(tiny_hf_model(family, seed=1, dtype=dtype))
+    for positions, end in (([0, 5, 255], 256), ([300, 17, 511], 600), ([1023, 2], 1024)):
+        index = torch.tensor(positions)
+        cos, sin = packed.decoder.rotary_emb(torch.empty(0, dtype=dtype), index[None])
+        for table, expected in zip(packed._rope(index, end, dtype), packed.ops.rope_tables(cos[0], sin[0])):
+            assert torch.equal(table, expected)
+    assert packed._rope_tables[dtype][0].shape[0] == 1024  # 256, then 1024 (the next power of two >= 600)

@@ -368,6 +368,16 @@ def test_quantized_embedding_is_exact():
     assert torch.equal(out, dequantize(weight)[ids])
 
 
+def test_quantized_embedding_keeps_recent_rows_and_stays_exact_past_its_memo():
+    weight = random_weight(T.Q4_K, n=50, k=256)
+    table = dequantize(weight)
+    embed = QuantizedEmbedding(weight, memo_rows=3)
+    for ids in ([3, 7], [7, 9, 7], [1], [3, 7, 9], [0, 1, 2, 4, 5], [2], [4, 2, 4]):  # evictions, hits, a bypass
+        assert torch.equal(embed(torch.tensor(ids)), table[ids])
+    assert list(embed._slot) == [3, 2, 4]  # least recently used first; 1, 7 and 9 were evicted
+    assert len(set(embed._slot.values())) == len(embed._slot) <= 3
+
+
 # ---------------------------------------------------------------- kernel choice
 
 def test_plan_keeps_at_most_two_kernels_and_a_second_only_for_real_gains():
@@ -591,7 +601,7 @@ def test_whole_layer_call_equals_the_layer_op_by_op(tmp_path, monkeypatch, role)
     ids = torch.randint(2, VOCAB, (30,), generator=torch.Generator().manual_seed(0)).tolist()
     calls = []
     original = NativeLayerOps.decoder_layer
-    monkeypatch.setattr(NativeLayerOps, "decoder_layer", lambda self, *a: calls.append(a[2]) or original(self, *a))
+    monkeypatch.setattr(NativeLayerOps, "decoder_layer", lambda self, *a: calls.append(a[0].index) or original(self, *a))
     whole, whole_caches = _packed_runs(model, ids)
     fused_layers = list(calls)
     monkeypatch.setattr(NativeLayerOps, "whole_layer", staticmethod(lambda layer, rows: None))

@@ -44,6 +44,9 @@ def test_candidates_sort_by_token_and_densify():
     torch.testing.assert_close(dist.lookup(torch.tensor([[9, 3], [V, 4]])), torch.tensor([[0.2, 0.0], [0.0, 0.6]]))
     assert torch.equal(dist.lookup(None), dense)
     assert dist.max().tolist() == pytest.approx([0.5, 0.6])
+    assert dist.at_each([9, 5]) == dist.at(torch.tensor([9, 5])).tolist()  # the drafter's per-slot form
+    assert dist.at_each([2, 7]) == [dist.probs[0, 0].item(), 0.0]  # a token not among the candidates: 0
+    assert dist.max_each() == dist.max().tolist()
 
 
 def test_dense_rows_answer_the_same_questions():
@@ -53,6 +56,8 @@ def test_dense_rows_answer_the_same_questions():
     expected = torch.where(ids < V, probs.gather(1, ids.clamp(max=V - 1)), 0.0)
     assert torch.equal(dense.lookup(ids), expected)
     assert torch.equal(dense.at(torch.tensor([4, 5, 6])), probs[[0, 1, 2], [4, 5, 6]])
+    assert dense.at_each([4, 5, 6]) == probs[[0, 1, 2], [4, 5, 6]].tolist()
+    assert dense.max_each() == dense.max().tolist()
     assert torch.equal(TokenProbs.of(probs).probs, probs) and TokenProbs.of(dense) is dense
 
 

@@ -27,7 +27,6 @@ import math
 from dataclasses import dataclass
 from typing import Callable
 
-import numpy as np
 import torch
 
 from specav.token_probs import TokenProbs
@@ -203,36 +202,34 @@ def compute_slot_features(logits: torch.Tensor, probs: torch.Tensor | TokenProbs
     return features
 
 
-def logit_q_max_from_tails(tails: Tails, clamp: float = DEFAULT_CLAMP) -> torch.Tensor:
-    """features_from_tails' logit(q_max) alone, -log S clamped (# [N], the dtype of tails.gap): what a
-    stop rule reads of each slot while the drafter drafts."""
-    with np.errstate(divide="ignore", invalid="ignore"):  # S = 0 (one finite logit): +clamp
-        logit = np.clip(-np.log(tails.tail.double().numpy()), -clamp, clamp)
-    return torch.from_numpy(logit).to(tails.gap.dtype)
+def row_features(tail: float, moment: float, gap: float, clamp: float = DEFAULT_CLAMP
+                 ) -> tuple[float, float, float, float]:
+    """logit(q_max), q_max, entropy and the top-2 margin of one row from its Tails' three numbers
+    (S = tail, moment, gap), in Python floats: the one place their formulas live.
+
+    With m the largest logit and S = sum over the other entries of exp(z - m): q_max = 1 / (1 + S),
+    logit(q_max) = -log S clamped to [-clamp, clamp] (S = 0, one finite logit: +clamp), entropy =
+    log(1 + S) - sum_j exp(z_j - m) (z_j - m) / (1 + S), and the top-2 margin (1 - exp(z_2 - m)) /
+    (1 + S). Only the argmax entry is left out of S, as in logit_q_max. NaN in, NaN out; rows whose
+    logits held NaN or +inf are meaningless here. Python floats rather than tensors: the drafter
+    computes a few rows per slot, where each torch op costs tens of microseconds on the caches a
+    forward leaves cold; float64 throughout, as exact as the float64 sums they read.
+    """
+    total = 1.0 + tail
+    logit = -math.log(tail) if tail > 0 else (math.inf if tail == 0 else math.nan)
+    return (min(max(logit, -clamp), clamp),  # NaN stays NaN (min / max return their first argument)
+            1.0 / total,
+            math.log1p(tail) - moment / total,
+            (1.0 - math.exp(min(gap, 0.0))) / total)
 
 
 def features_from_tails(tails: Tails, probs: torch.Tensor | TokenProbs, token_ids: torch.Tensor,
                         clamp: float = DEFAULT_CLAMP) -> SlotFeatures:
-    """Every feature of N slots from their Tails (the drafter gets them from the scan that samples
-    its slot: sampling.distributions_and_tails) and q_i for q_sampled.
-
-    With m the largest logit and S = sum over the other entries of exp(z - m) (Tails.tail):
-    q_max = 1 / (1 + S), logit(q_max) = -log S, entropy = log(1 + S) - sum_j exp(z_j - m) (z_j - m)
-    / (1 + S), and the top-2 margin (1 - exp(z_2 - m)) / (1 + S). Only the argmax entry is left out
-    of S, as in logit_q_max. Rows whose logits held NaN or +inf are meaningless here.
-    """
-    # In numpy on N values (a dozen torch ops cost ~30 us each in a step, with the caches cold after
-    # a forward; numpy's a few): float64 for float32 inputs, as exact as the float64 sums they read.
-    rest, moment = tails.tail.double().numpy(), tails.moment.double().numpy()  # S, sum_j exp(z_j - m) (z_j - m)
-    gap = tails.gap.double().numpy()
-    total = 1.0 + rest
-    with np.errstate(divide="ignore", invalid="ignore"):  # NaN rows stay NaN
-        entropy_ = np.log1p(rest) - moment / total
+    """Every feature of N slots from their Tails (row_features, row by row) and q_i for q_sampled;
+    each # [N] in the dtype of tails.gap."""
+    rows = [row_features(*values, clamp) for values in
+            zip(tails.tail.tolist(), tails.moment.tolist(), tails.gap.tolist())]
+    columns = list(zip(*rows)) if rows else [()] * 4
     dtype = tails.gap.dtype
-    return SlotFeatures(
-        logit_q_max=logit_q_max_from_tails(tails, clamp),
-        q_max=torch.from_numpy(1.0 / total).to(dtype),
-        entropy=torch.from_numpy(entropy_).to(dtype),
-        top2_margin=torch.from_numpy((1.0 - np.exp(gap)) / total).to(dtype),
-        q_sampled=q_sampled(probs, token_ids),
-    )
+    return SlotFeatures(*(torch.tensor(c, dtype=torch.float64).to(dtype) for c in columns),
+                        q_sampled=q_sampled(probs, token_ids))

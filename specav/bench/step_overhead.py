@@ -8,6 +8,9 @@ top-p 0.8 (EOS ignored), timing every call of the target's and the drafter's pac
 Printed per batch size, in milliseconds per step: the whole step, the two models' forwards, and
 what is left: the drafter's per-slot work (processed distributions, sampling, features), the
 verifier's distributions, and the rest (scoring, planning, rejection sampling, commit).
+The last two rows look inside the forwards: what they spend outside their kernels (the layer
+ops' native calls and the quantized linears, the output head's included): the Python around the
+kernels (embedding lookup, positions, rotary tables, each layer's call and its arguments).
 `--vocab-passes both` measures each batch twice in turns, with the native passes over vocabulary
 rows (specav/topk.py: the top-k of sampling, the features' top two and softmax tail) and with
 torch's ops in their place, so the two columns come from one run. `--calls` also times the
@@ -30,26 +33,72 @@ from specav.engine.engine import Engine, eos_token_ids
 from specav.evaluation.workloads import load_workload
 from specav.models import load_checkpoint
 from specav.models.native.probe import cpu_model
+from specav.models.quant import FusedLinear, QuantizedLinear
 from specav.prompts import encode_prompt
 from specav.verification import sampling
 from specav.verification.sampling_rows import SamplingRows
 
 
 class _ForwardTimer:
-    """Adds the wall time of a model's forward calls to `seconds`."""
+    """Adds the wall time of a model's forward calls to `seconds`, and of the kernels they ran
+    (`kernels`, a _KernelClock) to `in_kernels`."""
 
-    def __init__(self, model) -> None:
-        self.seconds = 0.0
+    def __init__(self, model, kernels: "_KernelClock") -> None:
+        self.seconds = self.in_kernels = 0.0
         original = model.forward
 
         def forward(*args, **kwargs):
-            start = time.perf_counter()
+            start, start_kernels = time.perf_counter(), kernels.seconds
             try:
                 return original(*args, **kwargs)
             finally:
                 self.seconds += time.perf_counter() - start
+                self.in_kernels += kernels.seconds - start_kernels
 
         model.forward = forward
+
+
+class _KernelClock:
+    """Wall time spent in kernels: the native layer calls of the models' layer ops (their op
+    namespace) and the quantized linears' forwards (the output head's included), the outermost
+    call only. A forward's time outside them is its Python: embedding lookup, positions, rotary
+    tables, each layer's call and its arguments."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._depth = 0
+
+    def timed(self, call):
+        def run(*args, **kwargs):
+            self._depth += 1
+            start = time.perf_counter()
+            try:
+                return call(*args, **kwargs)
+            finally:
+                self._depth -= 1
+                if self._depth == 0:
+                    self.seconds += time.perf_counter() - start
+        return run
+
+    @contextlib.contextmanager
+    def watching(self, models):
+        with contextlib.ExitStack() as stack:
+            for cls in (QuantizedLinear, FusedLinear):
+                stack.enter_context(mock.patch.object(cls, "forward", self.timed(cls.forward)))
+            for model in models:
+                if hasattr(model.ops, "native"):  # NativeLayerOps: its ops are looked up on this namespace
+                    stack.enter_context(mock.patch.object(model.ops, "native", _TimedNamespace(model.ops.native, self)))
+            yield self
+
+
+class _TimedNamespace:
+    """An op namespace whose ops run under a _KernelClock."""
+
+    def __init__(self, namespace, clock: _KernelClock) -> None:
+        self._namespace, self._clock = namespace, clock
+
+    def __getattr__(self, name: str):
+        return self._clock.timed(getattr(self._namespace, name))
 
 
 # The per-slot calls `--calls` times: label, owner, attribute (where the step looks them up).
@@ -61,7 +110,7 @@ _CALLS = (
     ("  scan_rows (both models)", sampling, "scan_rows"),
     ("  candidate_probs (both models)", sampling, "candidate_probs"),
     ("verifier: top_k_distributions", sampling, "top_k_distributions"),
-    ("drafter: features", DraftModelDrafter, "_features"),
+    ("drafter: features (per slot)", DraftModelDrafter, "_slot_features"),
 )
 
 
@@ -93,21 +142,23 @@ def measure(target, drafter, batch: int, k: int, tokens: int, calls: dict[str, f
     spec = SpeculativeConfig(num_speculative_tokens=k)
     engine = Engine(target.model, target.tokenizer, DraftModelDrafter(drafter.model),
                     EngineConfig(speculative=spec, max_batch_size=batch), eos_token_ids(target))
-    target_timer, drafter_timer = _ForwardTimer(target.model), _ForwardTimer(drafter.model)
+    clock = _KernelClock()
+    target_timer, drafter_timer = _ForwardTimer(target.model, clock), _ForwardTimer(drafter.model, clock)
     prompts = [encode_prompt(target.tokenizer, messages=p.chat()) for p in load_workload("chat")[:batch]]
     params = [SamplingParams(temperature=0.7, top_k=20, top_p=0.8, max_tokens=tokens, seed=i, ignore_eos=True)
               for i in range(batch)]
     for prompt, p in zip(prompts, params):
         engine.add_request(prompt, p)
     engine.step()  # the prefill step is left out
-    target_timer.seconds = drafter_timer.seconds = 0.0
+    target_timer.seconds = drafter_timer.seconds = target_timer.in_kernels = drafter_timer.in_kernels = 0.0
     stages = {"step": 0.0, "draft": 0.0, "verify": 0.0}
     steps = 0
     engine.step_listeners.append(lambda r: (stages.__setitem__("draft", stages["draft"] + r.times.draft),
                                             stages.__setitem__("verify", stages["verify"] + r.times.verify)))
     seconds: dict[str, float] = {}
     counts: dict[str, int] = {}
-    with _timed_calls(seconds, counts) if calls is not None else contextlib.nullcontext():
+    with _timed_calls(seconds, counts) if calls is not None else contextlib.nullcontext(), \
+            clock.watching([target.model, drafter.model]):
         while engine.has_work():
             start = time.perf_counter()
             engine.step()
@@ -123,6 +174,8 @@ def measure(target, drafter, batch: int, k: int, tokens: int, calls: dict[str, f
     ms["verifier outside the forward"] = ms["verify"] - ms["target forward"]
     ms["rest of the step"] = ms["step"] - ms["draft"] - ms["verify"]
     ms["outside the forwards"] = ms["step"] - ms["target forward"] - ms["drafter forwards"]
+    ms["target forward outside kernels"] = ms["target forward"] - 1e3 * target_timer.in_kernels / steps
+    ms["drafter forwards outside kernels"] = ms["drafter forwards"] - 1e3 * drafter_timer.in_kernels / steps
     return ms
 
 
@@ -152,7 +205,8 @@ def main() -> None:
           f"threads, temperature 0.7 / top-k 20 / top-p 0.8, {cpu_model()}")
     print(f"{'':<32}" + "".join(f"{f'batch {b} {kind}':>16}" for b, kind in columns))
     for name in ("step", "target forward", "drafter forwards", "drafter outside its forwards",
-                 "verifier outside the forward", "rest of the step", "outside the forwards"):
+                 "verifier outside the forward", "rest of the step", "outside the forwards",
+                 "target forward outside kernels", "drafter forwards outside kernels"):
         print(f"{name:<32}" + "".join(f"{rows[c][name]:>16.2f}" for c in columns))
     if args.calls:
         print("ms per call, timed inside the step")

@@ -17,13 +17,14 @@ Must not know: the target model, rejection sampling or the planner.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Sequence
+from typing import Iterator, Sequence
 
 import torch
 
-from specav.acceptance.features import features_from_tails, logit_q_max_from_tails
+from specav.acceptance.features import row_features
 from specav.drafting.base import StopRule, register
 from specav.models.kv_cache import KVCache
 from specav.models.packed import PackedCausalLM
@@ -71,10 +72,8 @@ class DraftModelDrafter:
         if k == 0:  # nobody drafts this step: nothing to feed (skipped tokens stay pending)
             return DraftBatch.empty(b, self.model.vocab_size, FEATURE_NAMES)
         drafts: list[list[int]] = [[] for _ in range(b)]  # per request, its draft tokens so far
-        slot_active: list[list[int]] = []  # per forward, the requests it drafted for
         slot_probs: list[TokenProbs] = []  # per forward, q_i of the requests it drafted for
-        slot_tails: list[Tails] = []  # per forward, the Tails of its rows (what their features read)
-        slot_tokens: list[torch.Tensor] = []  # per forward, its rows' draft tokens # [A]
+        table = [[[math.nan] * k for _ in range(b)] for _ in FEATURE_NAMES]  # [F][B][k], NaN where not drafted
         slot_rows: list[list[int]] = [[] for _ in range(b)]  # per request, its q_i rows in slot_probs' rows
         slot_hidden: list[list[torch.Tensor]] = [[] for _ in range(b)]
         states = [self._state(r) for r in requests]
@@ -91,11 +90,13 @@ class DraftModelDrafter:
             rows = SamplingRows.of([requests[i] for i in active], [1] * len(active), [drafts[i] for i in active],
                                    model="drafter")
             probs, tails, tokens = rows.draw(out.logits)  # A rows, tokens # [A]
-            slot_active.append(active)
+            token_list = tokens.tolist()
             slot_probs.append(probs)
-            slot_tails.append(tails)
-            slot_tokens.append(tokens)
-            for j, (i, token) in enumerate(zip(active, tokens.tolist())):
+            values = self._slot_features(tails, probs, token_list)
+            for table_f, values_f in zip(table, values):
+                for i, value in zip(active, values_f):
+                    table_f[i][slot] = value
+            for j, (i, token) in enumerate(zip(active, token_list)):
                 drafts[i].append(token)
                 slot_rows[i].append(first_row + j)
                 if self.keep_hidden:
@@ -105,35 +106,33 @@ class DraftModelDrafter:
             first_row += len(active)
             keep = [i for i in active if num_slots[i] > slot + 1]
             if stop_rule is not None and keep:
-                slot_features = _SlotFeatures({"logit_q_max": logit_q_max_from_tails(tails, self.feature_clamp)},
-                                              lambda t=tails, p=probs, x=tokens: self._features(t, p, x))
-                more = stop_rule.keep_drafting(slot, active, slot_features).tolist()
+                more = stop_rule.keep_drafting(slot, active, _SlotFeatures(values)).tolist()
                 keep = [i for i, go in zip(active, more) if go and num_slots[i] > slot + 1]
             active = keep
         order = [r for per in slot_rows for r in per]  # request-major, as DraftBatch.layout says
         probs = TokenProbs.cat(slot_probs, self.model.vocab_size)  # slot-major
-        features = self._features(Tails.cat(slot_tails), probs, torch.cat(slot_tokens))  # every slot's, in one call
         if order != list(range(len(order))):
             probs = probs.rows(torch.tensor(order, dtype=torch.int64))
         flat_hidden = [h for per in slot_hidden for h in per]
         drafted = [len(d) for d in drafts]
         width = max(drafted, default=0)
         token_ids = torch.tensor([d + [-1] * (width - len(d)) for d in drafts], dtype=torch.int64).reshape(b, width)
-        return DraftBatch(token_ids, Ragged.of(drafted), probs, _feature_table(features, slot_active, b, width),
+        features = torch.tensor([[row[:width] for row in table_f] for table_f in table], dtype=torch.float32)
+        return DraftBatch(token_ids, Ragged.of(drafted), probs, dict(zip(FEATURE_NAMES, features)),
                           torch.stack(flat_hidden) if flat_hidden else None, forwards)
 
     def pending_tokens(self, requests: Sequence[Request]) -> list[int]:
         return [len(self._states[r.request_id].pending) if r.request_id in self._states else r.num_tokens
                 for r in requests]
 
-    def _features(self, tails: Tails, probs: TokenProbs, tokens: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Every logged feature of A slots # [A]: from temperature-scaled, untruncated logits (their
-        Tails, from the scan that gave q_i), plus q_sampled (lossy) and q_max after top-k/top-p (both
-        logged for evaluation, never scored)."""
-        f = features_from_tails(tails, probs, tokens, self.feature_clamp)
-        values = {name: getattr(f, name) for name in FEATURE_NAMES if name != "q_max_truncated"}
-        values["q_max_truncated"] = probs.max()
-        return values
+    def _slot_features(self, tails: Tails, probs: TokenProbs, tokens: list[int]) -> list[list[float]]:
+        """Every logged feature of one slot's A rows, in FEATURE_NAMES' order (each a list of A floats):
+        the four logit features from temperature-scaled, untruncated logits (their Tails, from the scan
+        that gave q_i; acceptance.features.row_features), plus q_sampled (lossy) and q_max after
+        top-k/top-p (both logged for evaluation, never scored). In Python floats: a few rows a slot."""
+        rows = [row_features(*values, self.feature_clamp)
+                for values in zip(tails.tail.tolist(), tails.moment.tolist(), tails.gap.tolist())]
+        return [*(list(column) for column in zip(*rows)), probs.at_each(tokens), probs.max_each()]
 
     def commit(self, requests: Sequence[Request], drafts: DraftBatch, result: AcceptResult) -> None:
         for b, request in enumerate(requests):
@@ -152,30 +151,18 @@ class DraftModelDrafter:
         self._states.pop(request.request_id, None)
 
 
-def _feature_table(features: dict[str, torch.Tensor], slot_active: list[list[int]], b: int, width: int
-                   ) -> dict[str, torch.Tensor]:
-    """Each feature # [B, width] (NaN where not drafted) from every drafted row's, slot-major (each # [S]):
-    one scatter for the step instead of one per feature and forward."""
-    table = torch.full((len(FEATURE_NAMES), b, width), float("nan"))
-    if slot_active:
-        rows = [i for active in slot_active for i in active]
-        slots = [s for s, active in enumerate(slot_active) for _ in active]
-        table[:, rows, slots] = torch.stack([features[name].float() for name in FEATURE_NAMES])
-    return {name: table[f] for f, name in enumerate(FEATURE_NAMES)}
-
-
 class _SlotFeatures(Mapping):
-    """One slot's features (each # [A]) as the stop rule reads them: logit(q_max) (what rules read,
-    from the slot's Tails) given, the others computed all at once by `every()` if a rule asks. The
-    step's feature table computes every slot's in one call after the last slot."""
+    """One slot's features as a stop rule reads them (each # [A] float32, as the step's feature table
+    holds them), made into a tensor only where the rule asks for it."""
 
-    def __init__(self, known: dict[str, torch.Tensor], every: Callable[[], dict[str, torch.Tensor]]) -> None:
-        self._values, self._every = dict(known), every
+    def __init__(self, values: list[list[float]]) -> None:
+        self._lists = dict(zip(FEATURE_NAMES, values))
+        self._tensors: dict[str, torch.Tensor] = {}
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        if name not in self._values and name in FEATURE_NAMES:
-            self._values.update(self._every())
-        return self._values[name]
+        if name not in self._tensors:
+            self._tensors[name] = torch.tensor(self._lists[name], dtype=torch.float32)
+        return self._tensors[name]
 
     def __iter__(self) -> Iterator[str]:
         return iter(FEATURE_NAMES)

@@ -129,23 +129,22 @@ class NativeLayerOps:
 
     @staticmethod
     def whole_layer(layer: torch.nn.Module, rows: int):
-        """The layer's linears as the whole-layer call takes them (quant.KQuantLinears) where all of
-        them run kquant at `rows` rows, else None (op by op)."""
+        """The layer as the whole-layer call takes it (quant.WholeLayerCall) where all of its linears
+        run kquant at `rows` rows, else None (op by op)."""
         kquant = getattr(layer, "kquant", None)  # quant.KQuantLayer, on quantized models
         return None if kquant is None else kquant.at(rows)
 
-    def decoder_layer(self, linears, layer: torch.nn.Module, index: int, h: torch.Tensor, x: torch.Tensor,
-                      rope: tuple[torch.Tensor, torch.Tensor], batch, next_norm: torch.nn.Module,
-                      heads: int) -> torch.Tensor:
+    def decoder_layer(self, call, h: torch.Tensor, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                      batch, heads: int) -> torch.Tensor:
         """The whole layer in one native call: h (the residual stream) updated in place, each
         request's new keys and values written into its cache; returns the next layer's normed input.
-        batch: the forward's requests (packed._Batch): their caches' key and value tensors
-        # [L, capacity, Hkv, D], the positions filled before this forward, the new tokens."""
-        post = layer.post_attention_layernorm
+        call: the layer's quant.WholeLayerCall; batch: the forward's requests (packed._Batch): their
+        caches' key and value tensors # [L, capacity, Hkv, D], the positions filled before this
+        forward, the new tokens."""
         return self.native.decoder_layer_(
-            h, x, linears.blocks, linears.qtypes, linears.biases, post.weight, post.variance_epsilon,
-            next_norm.weight, next_norm.variance_epsilon, *rope, batch.keys, batch.values, index,
-            batch.cached, batch.lengths, heads, layer.self_attn.scaling)
+            h, x, call.blocks, call.qtypes, call.biases, call.post_norm, call.post_eps, call.next_norm,
+            call.next_eps, *rope, batch.keys, batch.values, call.index, batch.cached, batch.lengths, heads,
+            call.scale)
 
 
 LayerOps = TorchLayerOps | NativeLayerOps
