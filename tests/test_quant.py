@@ -30,7 +30,7 @@ from specav.models import quant_formats
 from specav.models.quant_formats import GGUFWeight, dequantize, int4_groups, requantize_q4_k
 from specav.models.quant_gguf import read_header
 from specav.models.native.schedule import SCHEDULES
-from specav.models.quant_kernels import KERNELS, KQuantWeight, kquant_matmuls
+from specav.models.quant_kernels import KERNELS, KQuantWeight, int8dyn_matmuls, int8dyn_rows, kquant_matmuls
 from tests.tiny_models import save_tiny_checkpoint
 
 T = gguf.GGMLQuantizationType
@@ -336,6 +336,20 @@ def test_rows_do_not_depend_on_each_other(kernel):
     alone = torch.cat([packed.matmul(x[i:i + 1]) for i in range(9)])
     for rows in (2, 5, 9):
         assert torch.equal(packed.matmul(x[:rows]), alone[:rows])
+
+
+def test_int8dyn_weights_of_one_input_share_its_scaling_and_give_the_same_numbers():
+    """FusedLinear's int8dyn path (gate/up at verification's row counts): the rows scaled once for
+    both weights, each output bit for bit its own call's; the scaling is max |x| per row."""
+    weights = [KERNELS["int8dyn"].pack(random_weight(T.Q4_K, n=n, k=512)) for n in (256, 128)]
+    biases = [torch.randn(256), None]
+    x = torch.randn(5, 512, generator=torch.Generator().manual_seed(1))
+    x[2] = 0.0  # a zero row: scaled by the smallest normal, not divided by zero
+    for fused, w, b in zip(int8dyn_matmuls(x, weights, biases), weights, biases, strict=True):
+        assert torch.equal(fused, w.matmul(x, b))
+    scaled, amax = int8dyn_rows(x)
+    assert torch.equal(amax, x.abs().amax(dim=1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny))
+    assert torch.equal(scaled, x / amax)
 
 
 def test_quantized_linear_routes_rows_and_keeps_shape_and_dtype():

@@ -53,7 +53,8 @@ from specav.models.packed import PackedCausalLM
 from specav.models.quant_choice import POLICIES, KernelPlan, MeasuredChoice, Policy, policy_for, shape_key
 from specav.models.quant_formats import GGUFWeight, dequantize
 from specav.models.quant_gguf import GGUFHeader, QuantizedGGUFError, read_header
-from specav.models.quant_kernels import KERNELS, KQuantWeight, PackedWeight, kquant_matmuls
+from specav.models.quant_kernels import (KERNELS, Int8DynamicWeight, KQuantWeight, PackedWeight, int8dyn_matmuls,
+                                         kquant_matmuls)
 from specav.models.threads import ThreadChoice
 
 QUANTIZED_DTYPES = tuple(POLICIES)  # ("q4", "auto")
@@ -112,8 +113,9 @@ class QuantizedLinear(nn.Module):
 
 class FusedLinear(nn.Module):
     """Several QuantizedLinears of one input (q/k/v, gate/up) in one native call where every one of
-    them runs kquant at that row count (one activation quantisation, one pass of the threads), else
-    one call each. Holds no weights of its own: the members stay the model's submodules."""
+    them runs kquant at that row count (one activation quantisation, one pass of the threads), with
+    the input's rows scaled once where every one runs int8dyn, else one call each. Holds no weights
+    of its own: the members stay the model's submodules."""
 
     def __init__(self, members: list[QuantizedLinear]) -> None:
         super().__init__()
@@ -124,6 +126,8 @@ class FusedLinear(nn.Module):
         packed = [m.packed_for(x.shape[0]) for m in self._members]
         if all(isinstance(p, KQuantWeight) for p in packed):
             return kquant_matmuls(x, packed, [m.bias for m in self._members])
+        if all(isinstance(p, Int8DynamicWeight) for p in packed):  # one scaling of x's rows for all of them
+            return int8dyn_matmuls(x, packed, [m.bias for m in self._members])
         return [m(x) for m in self._members]
 
 

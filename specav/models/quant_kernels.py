@@ -134,11 +134,31 @@ class Int8DynamicWeight(PackedWeight):
         return cls(torch.ops.quantized.linear_prepack(qweight, None), weight.shape)
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.float()
-        amax = x.abs().amax(dim=1, keepdim=True).clamp_min_(torch.finfo(torch.float32).tiny)  # [T, 1]
+        return self.matmul_rows(*int8dyn_rows(x))
+
+    def matmul_rows(self, scaled: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+        """x W^T from int8dyn_rows(x) # [T, K], [T, 1] (computed once for several weights of x)."""
         y = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
-            x / amax, _DYN_SCALE, _DYN_ZERO_POINT, self.packed)
+            scaled, _DYN_SCALE, _DYN_ZERO_POINT, self.packed)
         return y.mul_(amax)
+
+
+def int8dyn_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x # [T, K] -> (each row scaled to max |x| = 1, the rows' max |x| # [T, 1]): what int8dyn
+    quantises. Row by row, so a row's numbers do not depend on the others (batch invariance)."""
+    x = x.float()
+    amax = torch.linalg.vector_norm(x, float("inf"), dim=1, keepdim=True).clamp_min_(torch.finfo(torch.float32).tiny)
+    return x / amax, amax
+
+
+def int8dyn_matmuls(x: torch.Tensor, weights: list[Int8DynamicWeight], biases: list[torch.Tensor | None]
+                    ) -> list[torch.Tensor]:
+    """x # [T, K] against several int8dyn weights of one input (gate/up), its rows scaled once (the
+    torch ops around the kernel cost tens of microseconds each on cold caches) -> one # [T, N_i] each;
+    the same numbers as one call per weight."""
+    scaled, amax = int8dyn_rows(x)
+    outputs = [w.matmul_rows(scaled, amax) for w in weights]
+    return [y if b is None else y.add_(b) for y, b in zip(outputs, biases)]
 
 
 class KQuantWeight(PackedWeight):
