@@ -137,7 +137,8 @@ class KQuantLayer:
     the arguments that stay the same from forward to forward (its norms, its index, the attention
     scale), gathered once per row count. Looked up layer by layer at every forward they cost about
     30 us a layer (Python on the caches each native call leaves cold): 0.5-0.9 ms of a one-row
-    forward on the AMD EPYC. Holds no weights of its own: it reads the layer's modules."""
+    forward on the AMD EPYC. Holds no weights of its own: it reads the layer's modules at the first
+    forward of each row count (after loading, which is the last to set their weights)."""
 
     def __init__(self, layer: nn.Module, index: int, next_norm: nn.Module) -> None:
         """next_norm: the norm after this layer (the next layer's input norm, or the final norm)."""
