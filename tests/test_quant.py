@@ -634,6 +634,39 @@ def test_whole_layer_call_equals_the_layer_op_by_op(tmp_path, monkeypatch, role)
         assert torch.equal(a.values[:, :a.length], b.values[:, :b.length])
 
 
+def test_attention_half_call_equals_the_attention_op_by_op(tmp_path, monkeypatch):
+    """Where q, k, v and o run kquant at the forward's row count but the MLP does not (the target
+    verifying a few rows: its large linears on int8dyn), the attention half is one native call and
+    the MLP runs op by op: logits, hidden states and caches equal the op-by-op path's bit for bit."""
+    import specav.models.quant_choice as choice
+    from specav.models.layer_ops import NativeLayerOps
+
+    if not native.available():
+        pytest.skip(f"no native kernels: {native.unavailable_reason()}")
+    monkeypatch.setattr(choice, "measure", fake_measure)
+    model = load_quantized(write_tiny_gguf(tmp_path / "tiny.gguf"), "auto", tmp_path / "profile.json", role="drafter")
+    for layer in model.decoder.layers:  # the MLP on int8dyn at the decoding row counts, attention on kquant
+        for linear in (layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
+            linear._by_rows.update({rows: linear.packed["int8dyn"] for rows in (1, 3, 7)})
+    ids = torch.randint(2, VOCAB, (30,), generator=torch.Generator().manual_seed(0)).tolist()
+    calls = []
+    original = NativeLayerOps.attention_block
+    monkeypatch.setattr(NativeLayerOps, "attention_block", lambda self, *a: calls.append(a[0].index) or original(self, *a))
+    monkeypatch.setattr(NativeLayerOps, "decoder_layer", lambda self, *a: pytest.fail("no layer runs whole"))
+    half, half_caches = _packed_runs(model, ids)
+    assert calls == [0, 1] * 3  # all but the 19-row prefill (int8dyn throughout)
+    monkeypatch.setattr(NativeLayerOps, "whole_layer", staticmethod(lambda layer, rows: None))
+    calls.clear()
+    by_op, by_op_caches = _packed_runs(model, ids)
+    assert not calls
+    for a, b in zip(half, by_op, strict=True):
+        assert torch.equal(a, b)
+    for a, b in zip(half_caches, by_op_caches, strict=True):
+        assert a.length == b.length
+        assert torch.equal(a.keys[:, :a.length], b.keys[:, :b.length])
+        assert torch.equal(a.values[:, :a.length], b.values[:, :b.length])
+
+
 def test_loader_selects_the_quantized_path_by_dtype(tmp_path):
     path = write_tiny_gguf(tmp_path / "tiny.gguf", "qwen2", tokenizer=True)
     checkpoint = load_checkpoint(str(path), dtype="q4")

@@ -130,7 +130,8 @@ class NativeLayerOps:
     @staticmethod
     def whole_layer(layer: torch.nn.Module, rows: int):
         """The layer as the whole-layer call takes it (quant.WholeLayerCall) where all of its linears
-        run kquant at `rows` rows, else None (op by op)."""
+        run kquant at `rows` rows, its attention half where q, k, v and o do (`mlp` False), else None
+        (op by op)."""
         kquant = getattr(layer, "kquant", None)  # quant.KQuantLayer, on quantized models
         return None if kquant is None else kquant.at(rows)
 
@@ -145,6 +146,16 @@ class NativeLayerOps:
             h, x, call.blocks, call.qtypes, call.biases, call.post_norm, call.post_eps, call.next_norm,
             call.next_eps, *rope, batch.keys, batch.values, call.index, batch.cached, batch.lengths, heads,
             call.scale)
+
+
+    def attention_block(self, call, h: torch.Tensor, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                        batch, heads: int) -> torch.Tensor:
+        """The layer's attention half in one native call (call: its quant.WholeLayerCall with `mlp`
+        False): h += o_proj(attention) in place, the new keys and values written into the caches;
+        returns the post-attention norm of h, the MLP's input."""
+        return self.native.attention_block_(
+            h, x, call.blocks, call.qtypes, call.biases, call.post_norm, call.post_eps, *rope, batch.keys,
+            batch.values, call.index, batch.cached, batch.lengths, heads, call.scale)
 
 
 LayerOps = TorchLayerOps | NativeLayerOps

@@ -13,7 +13,7 @@ module swapped for a quantized one is picked up without changes here. The arithm
 between the linear layers (norms, rotary, attention, the MLP's gate) comes from
 layer_ops.py: torch ops, or one native call each for float32 activations; where a layer's
 linear layers all run the native k-quant kernel at this row count, the whole layer is one native
-call (the same functions, the same numbers).
+call (the same functions, the same numbers); where only its attention's do, that half is.
 
 Threads: a model on the native kernels runs each forward with the intra-op thread count that
 has been fastest for forwards of its size (threads.py: on shared cores, fewer threads can be
@@ -105,12 +105,16 @@ class PackedCausalLM:
         batch = _Batch(caches, lengths, ops)
         x = ops.norm(layers[0].input_layernorm, h)
         for i, layer in enumerate(layers):  # each norm is fused with the residual add before it
-            call = ops.whole_layer(layer, h.shape[0])  # the layer in one native call, where it can run so
-            if call is not None:
+            call = ops.whole_layer(layer, h.shape[0])  # the layer, or its attention half, in one native call
+            if call is not None and call.mlp:
                 x = ops.decoder_layer(call, h, x, rope, batch, self.num_heads)
                 continue
             next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.decoder.norm
-            h, x = ops.add_norm(h, self._attention(layer.self_attn, x, rope, batch, i), layer.post_attention_layernorm)
+            if call is not None:
+                x = ops.attention_block(call, h, x, rope, batch, self.num_heads)
+            else:
+                h, x = ops.add_norm(h, self._attention(layer.self_attn, x, rope, batch, i),
+                                    layer.post_attention_layernorm)
             h, x = ops.add_norm(h, ops.mlp(layer.mlp, x), next_norm)
         for cache, n in zip(caches, lengths):
             cache.advance(n)

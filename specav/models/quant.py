@@ -149,21 +149,25 @@ class KQuantLayer:
         self._by_rows: dict[int, WholeLayerCall | None] = {}  # row count -> its call (memo, like packed_for's)
 
     def at(self, num_rows: int) -> WholeLayerCall | None:
-        """The layer's call where all seven linears run kquant at num_rows rows, else None."""
+        """The layer's call where q, k, v and o run kquant at num_rows rows (`mlp` True where gate,
+        up and down do too: the whole layer, else its attention half), else None."""
         if num_rows not in self._by_rows:
             packed = [m.packed_for(num_rows) for m in self._linears]
+            kquant = [isinstance(p, KQuantWeight) for p in packed]
+            n = 7 if all(kquant) else 4 if all(kquant[:4]) else 0
             post, after = self._layer.post_attention_layernorm, self._next_norm
             self._by_rows[num_rows] = WholeLayerCall(
-                [p.blocks for p in packed], [int(p.qtype) for p in packed], [m.bias for m in self._linears],
-                post.weight, post.variance_epsilon, after.weight, after.variance_epsilon, self._index,
-                self._layer.self_attn.scaling) if all(isinstance(p, KQuantWeight) for p in packed) else None
+                [p.blocks for p in packed[:n]], [int(p.qtype) for p in packed[:n]],
+                [m.bias for m in self._linears[:n]], post.weight, post.variance_epsilon, after.weight,
+                after.variance_epsilon, self._index, self._layer.self_attn.scaling, mlp=n == 7) if n else None
         return self._by_rows[num_rows]
 
 
 @dataclass(frozen=True, slots=True)
 class WholeLayerCall:
     """What the whole-layer call reads of a layer: its q, k, v, o, gate, up and down linears as kquant
-    runs them, its two norms' weights and epsilons, its index and its attention scale."""
+    runs them (q, k, v and o only where `mlp` is False: the attention half's call), its two norms'
+    weights and epsilons, its index and its attention scale."""
 
     blocks: list[torch.Tensor]  # each [N, K / 256 * bytes per block] uint8: the file's blocks
     qtypes: list[int]  # GGUF type codes (Q4_K, Q6_K)
@@ -174,6 +178,7 @@ class WholeLayerCall:
     next_eps: float
     index: int  # the layer's index (its slot in each cache)
     scale: float  # attention's softmax scale
+    mlp: bool = True  # the MLP's linears too (the whole layer in one call), else the attention half
 
 
 class QuantizedEmbedding(nn.Module):

@@ -6,6 +6,10 @@
 //   h += o_proj(attention(q, caches)),  x' = rms_norm(h) by the post-attention norm
 //   h += down(silu_mul(gate(x'), up(x'))),  returns rms_norm(h) by the next layer's input norm
 //
+// Where the MLP's linears do not run kquant at the forward's row count (the target verifying a few
+// rows runs its large linears on int8dyn), the attention half (through the post-attention norm) is
+// one call, attention_block_, and the MLP runs op by op.
+//
 // It calls the very functions the per-op path calls (kquant.cpp, layers.cpp, through ops.h), in
 // the same order, on the same tensors: its results equal that path's bit for bit (tested in
 // tests/test_native_layers.py). What it saves is the way back to Python between them: a decoding
@@ -30,16 +34,18 @@ c10::List<std::optional<at::Tensor>> some(const c10::List<std::optional<at::Tens
   return out;
 }
 
-// weights, qtypes, biases: q, k, v, o, gate, up, down (7 each); cache_keys[b], cache_values[b]:
-// request b's whole cache [L, capacity, Hkv, D], of which the first cached[b] positions are filled.
-at::Tensor decoder_layer_(at::Tensor& h, const at::Tensor& x, at::TensorList weights, at::IntArrayRef qtypes,
-                          const c10::List<std::optional<at::Tensor>>& biases, const at::Tensor& post_norm,
-                          double post_eps, const at::Tensor& next_norm, double next_eps, const at::Tensor& cos,
-                          const at::Tensor& sin, at::TensorList cache_keys, at::TensorList cache_values,
-                          int64_t layer, at::IntArrayRef cached, at::IntArrayRef lengths, int64_t heads,
-                          double scale) {
-  TORCH_CHECK(weights.size() == 7 && qtypes.size() == 7 && biases.size() == 7,
-              "weights, qtypes and biases: q, k, v, o, gate, up, down (7 each)");
+// The attention half of a layer: weights, qtypes, biases: q, k, v, o (4 each); cache_keys[b],
+// cache_values[b]: request b's whole cache [L, capacity, Hkv, D], of which the first cached[b]
+// positions are filled. h += o_proj(attention(...)) in place; returns rms_norm(h) by the
+// post-attention norm. Called alone where the MLP's linears do not run kquant at this row count
+// (the target verifying several rows: its large linears on int8dyn), the MLP then op by op.
+at::Tensor attention_block_(at::Tensor& h, const at::Tensor& x, at::TensorList weights, at::IntArrayRef qtypes,
+                            const c10::List<std::optional<at::Tensor>>& biases, const at::Tensor& post_norm,
+                            double post_eps, const at::Tensor& cos, const at::Tensor& sin, at::TensorList cache_keys,
+                            at::TensorList cache_values, int64_t layer, at::IntArrayRef cached, at::IntArrayRef lengths,
+                            int64_t heads, double scale) {
+  TORCH_CHECK(weights.size() == 4 && qtypes.size() == 4 && biases.size() == 4,
+              "weights, qtypes and biases: q, k, v, o (4 each)");
   const int64_t batch = static_cast<int64_t>(lengths.size()), t = x.size(0);
   TORCH_CHECK(batch >= 1 && static_cast<int64_t>(cached.size()) == batch &&
               static_cast<int64_t>(cache_keys.size()) == batch && static_cast<int64_t>(cache_values.size()) == batch,
@@ -76,7 +82,21 @@ at::Tensor decoder_layer_(at::Tensor& h, const at::Tensor& x, at::TensorList wei
   }
   const at::Tensor out = ops::attention(q, keys, values, lengths, scale);
   const at::Tensor o = ops::kq_matmul(out.view({t, heads * d}), weights.slice(3, 1), qtypes.slice(3, 1), some(biases, 3, 1))[0];
-  const at::Tensor normed = ops::add_rms_norm_(h, o, post_norm, post_eps);
+  return ops::add_rms_norm_(h, o, post_norm, post_eps);
+}
+
+// weights, qtypes, biases: q, k, v, o, gate, up, down (7 each); the caches as attention_block_'s.
+at::Tensor decoder_layer_(at::Tensor& h, const at::Tensor& x, at::TensorList weights, at::IntArrayRef qtypes,
+                          const c10::List<std::optional<at::Tensor>>& biases, const at::Tensor& post_norm,
+                          double post_eps, const at::Tensor& next_norm, double next_eps, const at::Tensor& cos,
+                          const at::Tensor& sin, at::TensorList cache_keys, at::TensorList cache_values,
+                          int64_t layer, at::IntArrayRef cached, at::IntArrayRef lengths, int64_t heads,
+                          double scale) {
+  TORCH_CHECK(weights.size() == 7 && qtypes.size() == 7 && biases.size() == 7,
+              "weights, qtypes and biases: q, k, v, o, gate, up, down (7 each)");
+  const at::Tensor normed = attention_block_(h, x, weights.slice(0, 4), qtypes.slice(0, 4), some(biases, 0, 4),
+                                             post_norm, post_eps, cos, sin, cache_keys, cache_values, layer, cached,
+                                             lengths, heads, scale);
   auto gate_up = ops::kq_matmul(normed, weights.slice(4, 2), qtypes.slice(4, 2), some(biases, 4, 2));
   const at::Tensor down = ops::kq_matmul(ops::silu_mul(gate_up[0], gate_up[1]), weights.slice(6, 1), qtypes.slice(6, 1),
                                          some(biases, 6, 1))[0];
@@ -86,11 +106,15 @@ at::Tensor decoder_layer_(at::Tensor& h, const at::Tensor& x, at::TensorList wei
 }  // namespace
 
 SPECAV_FRAGMENT(m) {
+  m.def("attention_block_(Tensor(a!) h, Tensor x, Tensor[] weights, int[] qtypes, Tensor?[] biases, Tensor post_norm, "
+        "float post_eps, Tensor cos, Tensor sin, Tensor[] cache_keys, Tensor[] cache_values, int layer, int[] cached, "
+        "int[] lengths, int heads, float scale) -> Tensor");
   m.def("decoder_layer_(Tensor(a!) h, Tensor x, Tensor[] weights, int[] qtypes, Tensor?[] biases, Tensor post_norm, "
         "float post_eps, Tensor next_norm, float next_eps, Tensor cos, Tensor sin, Tensor[] cache_keys, "
         "Tensor[] cache_values, int layer, int[] cached, int[] lengths, int heads, float scale) -> Tensor");
 }
 
 SPECAV_IMPL(m) {
+  m.impl("attention_block_", &attention_block_);
   m.impl("decoder_layer_", &decoder_layer_);
 }
