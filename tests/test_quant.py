@@ -597,6 +597,18 @@ def _packed_runs(model, ids: list[int]) -> tuple[list[torch.Tensor], list]:
     return outputs, caches
 
 
+def _assert_same_runs(one, other) -> None:
+    """Two _packed_runs results agree bit for bit: every forward's logits and hidden states, and
+    each cache's filled positions."""
+    (outputs, caches), (other_outputs, other_caches) = one, other
+    for a, b in zip(outputs, other_outputs, strict=True):
+        assert torch.equal(a, b)
+    for a, b in zip(caches, other_caches, strict=True):
+        assert a.length == b.length
+        assert torch.equal(a.keys[:, :a.length], b.keys[:, :b.length])
+        assert torch.equal(a.values[:, :a.length], b.values[:, :b.length])
+
+
 @pytest.mark.parametrize("role", ["drafter", "target"])
 def test_whole_layer_call_equals_the_layer_op_by_op(tmp_path, monkeypatch, role):
     """Where all seven linears of a layer run kquant at the forward's row count (the drafter up to
@@ -626,12 +638,7 @@ def test_whole_layer_call_equals_the_layer_op_by_op(tmp_path, monkeypatch, role)
         assert fused_layers == [0, 1] * 3
     else:
         assert fused_layers == []
-    for a, b in zip(whole, by_op, strict=True):
-        assert torch.equal(a, b)
-    for a, b in zip(whole_caches, by_op_caches, strict=True):
-        assert a.length == b.length
-        assert torch.equal(a.keys[:, :a.length], b.keys[:, :b.length])
-        assert torch.equal(a.values[:, :a.length], b.values[:, :b.length])
+    _assert_same_runs((whole, whole_caches), (by_op, by_op_caches))
 
 
 def test_attention_half_call_equals_the_attention_op_by_op(tmp_path, monkeypatch):
@@ -659,12 +666,7 @@ def test_attention_half_call_equals_the_attention_op_by_op(tmp_path, monkeypatch
     calls.clear()
     by_op, by_op_caches = _packed_runs(model, ids)
     assert not calls
-    for a, b in zip(half, by_op, strict=True):
-        assert torch.equal(a, b)
-    for a, b in zip(half_caches, by_op_caches, strict=True):
-        assert a.length == b.length
-        assert torch.equal(a.keys[:, :a.length], b.keys[:, :b.length])
-        assert torch.equal(a.values[:, :a.length], b.values[:, :b.length])
+    _assert_same_runs((half, half_caches), (by_op, by_op_caches))
 
 
 def test_loader_selects_the_quantized_path_by_dtype(tmp_path):
