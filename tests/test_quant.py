@@ -249,6 +249,47 @@ def test_kquant_runs_weights_padded_past_k(native_ops):
     assert requant_error < 0.1  # 4 bits from 8: about 0.08 on Gaussian weights
 
 
+@pytest.mark.parametrize("k", [896, 640, 608])
+def test_kquant_leaves_out_the_zero_half_of_a_last_half_block(native_ops, k):
+    """Where K ends in the first half of a block (K = 896: 3.5 blocks), the packed Q4_K weight keeps
+    only the first 80 bytes of each row's last block, and every output equals the padded blocks'
+    bit for bit: alone or fused with a padded Q6_K weight, at every row count, under every schedule."""
+    q4k = requantize_q4_k(random_weight(T.Q8_0, n=72, k=k, seed=k), native_ops.quantize_q4_k)
+    blocks = -(-k // 256)
+    packed = KQuantWeight.pack(q4k, ops=native_ops)
+    assert q4k.blocks.shape == (72, blocks * 144) and tuple(packed.blocks.shape) == (72, blocks * 144 - 64)
+    assert packed.nbytes == 72 * (blocks * 144 - 64)
+    padded = torch.from_numpy(q4k.blocks)
+    other = torch.from_numpy(quantize(np.random.default_rng(1).standard_normal((24, blocks * 256)).astype(np.float32),
+                                      T.Q6_K))  # a padded weight of another type in the same call
+    bias = torch.randn(72, generator=torch.Generator().manual_seed(2))
+    x = torch.randn(19, k, generator=torch.Generator().manual_seed(k))
+    x[3] *= 100
+    saved = native_ops.set_schedule(SCHEDULES[0])
+    try:
+        for schedule in SCHEDULES:
+            native_ops.set_schedule(schedule)
+            for rows in (1, 2, 4, 5, 8, 9, 16, 19):
+                full = native_ops.kq_matmul(x[:rows], [padded, other], [12, 14], [bias, None])
+                half = native_ops.kq_matmul(x[:rows], [packed.blocks, other], [12, 14], [bias, None])
+                assert torch.equal(half[0], full[0]) and torch.equal(half[1], full[1]), (schedule, rows)
+    finally:
+        native_ops.set_schedule(saved)
+
+
+def test_kquant_refuses_a_half_block_it_cannot_leave_out(native_ops):
+    """Only a Q4_K weight whose K ends in a block's first half may end in 80 bytes: K = 928 reaches
+    into the second half (its 64 bytes hold weights), and a Q6_K weight has no such layout."""
+    q4k = requantize_q4_k(random_weight(T.Q8_0, n=8, k=928), native_ops.quantize_q4_k)
+    assert tuple(KQuantWeight.pack(q4k, ops=native_ops).blocks.shape) == (8, 4 * 144)  # kept whole
+    x = torch.randn(1, 928)
+    with pytest.raises(RuntimeError, match="must be a contiguous"):
+        native_ops.kq_matmul(x, [torch.from_numpy(q4k.blocks[:, :-64].copy())], [12], [None])
+    q6k = torch.zeros(8, 4 * 210 - 64, dtype=torch.uint8)
+    with pytest.raises(RuntimeError, match="must be a contiguous"):
+        native_ops.kq_matmul(torch.randn(1, 896), [q6k], [14], [None])
+
+
 @pytest.mark.skipif(not native.available(), reason="the drafter's policy needs the native kernels")
 def test_the_drafters_requantised_weights_are_kept_and_served_by_content(tmp_path, monkeypatch):
     """A drafter's requantisation (most of its load) is kept beside the kernel profile: the next load
@@ -465,12 +506,20 @@ LINEARS = {"attn_q": (HIDDEN, HIDDEN), "attn_k": (KV_HEADS * 64, HIDDEN), "attn_
            "ffn_down": (HIDDEN, FFN)}
 
 
-def write_tiny_gguf(path, arch: str = "qwen2", seed: int = 0, tokenizer: bool = False):
+def write_tiny_gguf(path, arch: str = "qwen2", seed: int = 0, tokenizer: bool = False, hidden: int = HIDDEN):
+    """hidden: a width that is not a multiple of 256 (the packaged drafter's 896) takes 32-element
+    types only (Q5_0, Q8_0), as its file does: k-quants need whole 256-element blocks."""
     rng = np.random.default_rng(seed)
+    whole = hidden % 256 == 0
+    kv = KV_HEADS * (hidden // HEADS)
+    linears = {"attn_q": (hidden, hidden), "attn_k": (kv, hidden), "attn_v": (kv, hidden),
+               "attn_output": (hidden, hidden), "ffn_gate": (FFN, hidden), "ffn_up": (FFN, hidden),
+               "ffn_down": (hidden, FFN)}
+    types = TYPES if whole else [T.Q5_0, T.Q8_0]
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(LAYERS)
     writer.add_context_length(512)
-    writer.add_embedding_length(HIDDEN)
+    writer.add_embedding_length(hidden)
     writer.add_feed_forward_length(FFN)
     writer.add_head_count(HEADS)
     writer.add_head_count_kv(KV_HEADS)
@@ -478,7 +527,7 @@ def write_tiny_gguf(path, arch: str = "qwen2", seed: int = 0, tokenizer: bool = 
     writer.add_layer_norm_rms_eps(1e-6)
     writer.add_vocab_size(VOCAB)
     if arch == "llama":
-        writer.add_rope_dimension_count(HIDDEN // HEADS)
+        writer.add_rope_dimension_count(hidden // HEADS)
     if tokenizer:
         writer.add_tokenizer_model("gpt2")
         writer.add_token_list([chr(ord("!") + i) for i in range(VOCAB)])
@@ -495,16 +544,16 @@ def write_tiny_gguf(path, arch: str = "qwen2", seed: int = 0, tokenizer: bool = 
     def vector(name, size, mean=0.0, scale=0.1):
         writer.add_tensor(name, (mean + scale * rng.standard_normal(size)).astype(np.float32))
 
-    matrix("token_embd.weight", (VOCAB, HIDDEN), T.Q4_K, scale=1.0)
-    matrix("output.weight", (VOCAB, HIDDEN), T.Q6_K)
-    vector("output_norm.weight", HIDDEN, mean=1.0)
+    matrix("token_embd.weight", (VOCAB, hidden), T.Q4_K if whole else T.Q5_0, scale=1.0)
+    matrix("output.weight", (VOCAB, hidden), T.Q6_K if whole else T.Q8_0)
+    vector("output_norm.weight", hidden, mean=1.0)
     for i in range(LAYERS):
-        for j, (name, shape) in enumerate(LINEARS.items()):
-            matrix(f"blk.{i}.{name}.weight", shape, TYPES[(i + j) % len(TYPES)])
+        for j, (name, shape) in enumerate(linears.items()):
+            matrix(f"blk.{i}.{name}.weight", shape, types[(i + j) % len(types)])
             if arch == "qwen2" and name in ("attn_q", "attn_k", "attn_v"):
                 vector(f"blk.{i}.{name}.bias", shape[0])
-        vector(f"blk.{i}.attn_norm.weight", HIDDEN, mean=1.0)
-        vector(f"blk.{i}.ffn_norm.weight", HIDDEN, mean=1.0)
+        vector(f"blk.{i}.attn_norm.weight", hidden, mean=1.0)
+        vector(f"blk.{i}.ffn_norm.weight", hidden, mean=1.0)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

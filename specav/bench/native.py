@@ -17,7 +17,9 @@ section ends with how many cores other processes kept busy meanwhile, bench/load
   measurement times it (ms per call, one thread, cache-cold), and the same forwards as above, the
   schedules in turns; which one this machine runs;
 - drafter: the packaged drafter's one-row forward in `auto` (every layer native) relative to the
-  target's (goal <= 0.25x), and the share of its output head (151,936 rows);
+  target's (goal <= 0.25x), the share of its output head (151,936 rows), and its forward with the
+  zero halves of its K = 896 weights' last blocks read as well as left out (quant_kernels.KQuantWeight),
+  forward by forward in turns;
 - layers: both models' one-row forward with each layer as one native call where its linears all run
   kquant (layer_ops.NativeLayerOps.whole_layer, native/decoder.cpp) and op by op, in turns, and how
   many layers ran as one call;
@@ -121,6 +123,46 @@ def forwards(models: dict, rows: tuple[int, ...], repeats: int) -> dict[str, dic
             for name, m in models.items():
                 times[name][n].append(time_forward(m, caches[name], new))
     return {name: {n: statistics.median(t[warmup:]) for n, t in per.items()} for name, per in times.items()}
+
+
+class HalfBlockLayouts:
+    """A model's Q4_K weights that end in half a block, packed (the zero half left out: KQuantWeight)
+    or with that half restored (zeros, read for nothing): `use` puts either in place, each layout
+    with its own whole-layer calls (KQuantLayer's memo of them)."""
+
+    def __init__(self, model) -> None:
+        self.weights = [p for m in model.hf_model.modules() for p in getattr(m, "packed", {}).values()
+                        if isinstance(p, KQuantWeight) and p.blocks.shape[1] % 144 == 80]
+        self._layers = [m.kquant for m in model.hf_model.modules() if getattr(m, "kquant", None) is not None]
+        self._layouts = {
+            "trimmed": ([p.blocks for p in self.weights], [{} for _ in self._layers]),
+            "whole": ([torch.cat([p.blocks, p.blocks.new_zeros(p.blocks.shape[0], 64)], 1) for p in self.weights],
+                      [{} for _ in self._layers])}
+
+    def use(self, layout: str) -> None:
+        blocks, memos = self._layouts[layout]
+        for p, b in zip(self.weights, blocks):
+            p.blocks = b
+        for layer, memo in zip(self._layers, memos):
+            layer._by_rows = memo
+
+
+def half_blocks(model, forwards: int) -> tuple[float, float]:
+    """Median seconds of `model`'s one-row forward with its half blocks' zero halves left out and
+    read (HalfBlockLayouts), the two alternating forward by forward; left out afterwards."""
+    layouts = HalfBlockLayouts(model)
+    context = torch.randint(0, model.vocab_size, (CONTEXT,), generator=torch.Generator().manual_seed(0)).tolist()
+    cache = model.new_cache(CONTEXT + 1)
+    model.forward([context], [cache], [0])
+    times = {"trimmed": [], "whole": []}
+    try:
+        for i in range(forwards + 2):  # the first two of each: warm-up (each layout's calls made)
+            for layout in ("trimmed", "whole") if i % 2 == 0 else ("whole", "trimmed"):
+                layouts.use(layout)
+                times[layout].append(time_forward(model, cache, context[-1:]))
+    finally:
+        layouts.use("trimmed")
+    return statistics.median(times["trimmed"][2:]), statistics.median(times["whole"][2:])
 
 
 def schedule_table(target, repeats: int) -> None:
@@ -290,6 +332,9 @@ def main(argv: list[str] | None = None) -> None:
             print(f"\ndrafter: one-row forward {d * 1e3:.1f} ms = {d / t['target'][1]:.2f}x the target's "
                   f"{t['target'][1] * 1e3:.1f} ms; its output head alone {head_s * 1e3:.1f} ms ({head_s / d:.0%} of "
                   f"it; without it {(d - head_s) / t['target'][1]:.2f}x)")
+            trimmed, whole = half_blocks(models["drafter"], 10 * args.repeats)
+            print(f"  the last blocks' zero halves left out {trimmed * 1e3:.1f} ms, read {whole * 1e3:.1f} ms "
+                  f"({trimmed / whole:.3f}x; median of {10 * args.repeats} forwards each, in turns)")
         print(f"  ({load})")
     if "schedule" not in skip and native.selected() is not None:
         with foreign_load() as load:

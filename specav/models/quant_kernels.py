@@ -37,6 +37,7 @@ import warnings
 from typing import ClassVar
 
 import gguf
+import numpy as np
 import torch
 
 from specav.models import native
@@ -163,13 +164,18 @@ def int8dyn_matmuls(x: torch.Tensor, weights: list[Int8DynamicWeight], biases: l
 
 
 class KQuantWeight(PackedWeight):
+    """The native kernel on Q4_K / Q6_K blocks as the file stores them. A Q4_K weight requantised
+    with K padded past half a block (requantize_q4_k: the drafter's K = 896 is 3.5 blocks) keeps
+    only the first 80 bytes of each row's last block: its second half holds zero weights that the
+    kernel would read for nothing (11% of the weight's bytes at K = 896; native/kquant.cpp)."""
+
     kernel = "kquant"
     exact_types = frozenset({T.Q4_K, T.Q6_K})
 
     def __init__(self, qtype: T, blocks: torch.Tensor, shape: tuple[int, int], ops) -> None:
         super().__init__(shape, blocks.nbytes)
         self.qtype = qtype
-        self.blocks = blocks  # [N, ceil(K / 256) * bytes per block] uint8: the file's blocks as stored
+        self.blocks = blocks  # [N, bytes per row] uint8: the file's blocks (see pack)
         self.ops = ops  # the native variant's op namespace (native.ops(), unless a test names one)
 
     @classmethod
@@ -181,7 +187,10 @@ class KQuantWeight(PackedWeight):
         if weight.qtype not in cls.exact_types or not native.available() and ops is None:
             raise ValueError(f"kquant cannot run {weight.name} ({weight.qtype.name}): "
                              f"{native.unavailable_reason() or 'only Q4_K and Q6_K'}")
-        return cls(weight.qtype, torch.from_numpy(weight.blocks), weight.shape, ops if ops is not None else native.ops())
+        blocks = weight.blocks
+        if weight.qtype == T.Q4_K and 0 < weight.shape[1] % 256 <= 128 and blocks.shape[1] % 144 == 0:
+            blocks = np.ascontiguousarray(blocks[:, :-64])  # the half block's zero half, left unread
+        return cls(weight.qtype, torch.from_numpy(blocks), weight.shape, ops if ops is not None else native.ops())
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return self.ops.kq_matmul(x.float().contiguous(), [self.blocks], [int(self.qtype)], [bias])[0]  # bias added inside

@@ -20,17 +20,20 @@ inline __m256i broadcast_words(__m256i v, int lo_word, int hi_word) {
   return _mm256_shuffle_epi8(v, _mm256_setr_m128i(lo, hi));
 }
 
-// One Q4_K weight row (nb blocks of 144 bytes: d, dmin, 12 bytes of scales, 128 of nibbles)
-// against activation rows r0 .. r0 + R - 1; writes out[r * ldo] = dot + bias.
+// One Q4_K weight row (nb blocks of 144 bytes: d, dmin, 12 bytes of scales, 128 of nibbles; with
+// half_last, the last block's first 80: its sub-blocks 0-3) against activation rows r0 .. r0 + R - 1;
+// writes out[r * ldo] = dot + bias.
 template <int R>
 void q4k_tile(const uint8_t* w, const ActView& a, int64_t r0, int64_t b0, int64_t b1, float* state, float* out, int64_t ldo,
-            float bias) {
+            float bias, bool half_last) {
   const __m256i low4 = _mm256_set1_epi8(0x0F);
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = b0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(state + 8 * r);
-  for (int64_t b = b0; b < b1; ++b) {
+  // Block b of C 32-byte parts of nibbles (4, or 2 in a half block).
+  auto block = [&](auto parts, int64_t b) __attribute__((always_inline)) {
+    constexpr int C = decltype(parts)::value;
     const uint8_t* blk = w + b * 144;
-    prefetch_weights(a, blk, 144);
+    prefetch_weights(a, blk, 16 + 32 * C);
     const float d = f16_to_f32(blk), dmin = f16_to_f32(blk + 2);
     uint32_t u[4];
     unpack_q4k_scales(blk + 4, u);
@@ -38,7 +41,7 @@ void q4k_tile(const uint8_t* w, const ActView& a, int64_t r0, int64_t b0, int64_
     for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
     // The 8 sub-block scales as int16, in both 128-bit lanes.
     const __m256i scales = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(u))));
-    for (int c = 0; c < 4; ++c) {  // 32 bytes = 64 elements: low nibbles sub-block 2c, high 2c + 1
+    for (int c = 0; c < C; ++c) {  // 32 bytes = 64 elements: low nibbles sub-block 2c, high 2c + 1
       const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16 + c * 32));
       const __m256i lo = _mm256_and_si256(bytes, low4);
       const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4);
@@ -61,6 +64,10 @@ void q4k_tile(const uint8_t* w, const ActView& a, int64_t r0, int64_t b0, int64_
       const __m256 mins = _mm256_mul_ps(mf, _mm256_loadu_ps(a.xs32 + (r0 + r) * (a.kp / 32) + b * 8));
       acc[r] = _mm256_add_ps(acc[r], _mm256_fmsub_ps(_mm256_set1_ps(d * xd), _mm256_cvtepi32_ps(isum[r]), mins));
     }
+  };
+  for (int64_t b = b0; b < b1; ++b) {
+    if (half_last && b == a.nb - 1) block(std::integral_constant<int, 2>{}, b);
+    else block(std::integral_constant<int, 4>{}, b);
   }
   finish(acc, b1 == a.nb, state, out, ldo, bias);
 }
