@@ -365,6 +365,8 @@ BENCHMARKS = {
     "estimator_trace": "specav.bench.estimator_trace",
     "llama_cpp": "specav.bench.llama_cpp",
     "ab": "specav.bench.ab",
+    "predictor": "specav.bench.predictor",
+    "ceiling": "specav.bench.ceiling",
 }
 
 
