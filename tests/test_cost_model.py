@@ -324,3 +324,14 @@ def test_verify_added_each_is_verify_added_for_every_count():
     model.observe([(1, 0)], 3, 0, StageTimes(0.03, 0.07, 0.1))
     for tokens in (1, 2, 7, 20):
         assert model.verify_added_each(tokens, 8) == pytest.approx([model.verify_added(tokens, k) for k in range(1, 9)])
+
+
+def test_a_drafter_with_a_vocabulary_subset_head_has_its_own_profile():
+    """The subset head makes the drafter's forward cheaper, so its profile is keyed apart; the full
+    head keeps the key profiles were cached under before."""
+    from specav.engine.profile import models_key, profile_key
+
+    full = models_key("default", "default", "auto")
+    assert full == "target default | drafter default | auto"
+    assert profile_key(models_key("default", "default", "auto", 65536)) != profile_key(full)
+    assert models_key("default", "default", "auto", 65536) != models_key("default", "default", "auto", 32768)

@@ -62,7 +62,7 @@ from specav.cli import encode_prompt
 from specav.config import AdaptiveConfig, EngineConfig, EstimatorConfig, SamplingParams, SpeculativeConfig
 from specav.drafting import DraftModelDrafter
 from specav.engine.engine import Engine, eos_token_ids
-from specav.engine.profile import PROFILE_FILE, load_or_profile, profile_key
+from specav.engine.profile import PROFILE_FILE, load_or_profile, models_key, profile_key
 from specav.engine.stats import DraftCounts
 from specav.evaluation.workloads import load_workload
 from specav.models import check_same_vocabulary, load_checkpoint, packaged
@@ -470,7 +470,7 @@ def main() -> None:
     drafter = load_checkpoint("default", args.dtype, role="drafter")
     check_same_vocabulary(target, drafter)
     probe = build_engine(target, drafter, args.av_k, False, max(concurrencies), None)
-    key = profile_key(f"target default | drafter default | {args.dtype}")
+    key = profile_key(models_key("default", "default", args.dtype))
     profile = load_or_profile(probe.verifier, probe.drafter, key, packaged.cache_root() / PROFILE_FILE,
                               max(concurrencies) * (args.av_k + 1), max(concurrencies))
     variants = [(f"AV {v}", args.av_k, True, *_variant(parser, v)) for v in args.av_variant]

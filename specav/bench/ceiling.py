@@ -181,9 +181,9 @@ def main() -> None:
     parser.add_argument("--draft-scale", type=float, default=1.0,
                         help="price the drafter's forwards at this multiple of the profile's")
     args = parser.parse_args()
-    from specav.engine.profile import PROFILE_FILE, cached_profile, profile_key
+    from specav.engine.profile import PROFILE_FILE, cached_profile, models_key, profile_key
 
-    key = profile_key("target default | drafter default | auto")
+    key = profile_key(models_key("default", "default", "auto"))
     profile = cached_profile(key, packaged.cache_root() / PROFILE_FILE, True, K + 1, 1)
     if profile is None:
         parser.error(f"no cost profile cached for {key!r}: run `specav profile` first")

@@ -112,7 +112,8 @@ class Engine:
         and `specav.LLM` load everything at start: a load mid-stream would stall every request.
         Where no load has been recorded for this machine and pair, they load the drafter twice and
         record the second: the first may write what later loads only read."""
-        from specav.engine.profile import PROFILE_FILE, cached_profile, load_or_profile, profile_key, record_draft_load
+        from specav.engine.profile import (PROFILE_FILE, cached_profile, load_or_profile, models_key, profile_key,
+                                           record_draft_load)
         from specav.models import packaged
 
         if config.target.threads:
@@ -131,7 +132,7 @@ class Engine:
 
         adaptive = spec.planner != "static"
         cache = packaged.cache_root() / PROFILE_FILE
-        key = profile_key(f"target {config.target.path} | drafter {spec.model} | {config.target.dtype}")
+        key = profile_key(models_key(config.target.path, spec.model, config.target.dtype, spec.draft_vocab_size))
         max_verify_tokens = config.max_batch_size * (spec.num_speculative_tokens + 1)
         profile = None
         if adaptive and not refresh_profile:

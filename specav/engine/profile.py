@@ -48,6 +48,13 @@ REPEATS = 7  # per size: with 3, on the Zen 4 EPYC, verify(16) / verify(8) read 
 _PARAMS = SamplingParams(temperature=0.7, top_k=20, top_p=0.8, max_tokens=1 << 20)  # the usual sampling
 
 
+def models_key(target: str, drafter: str, dtype: str, draft_vocab_size: int | None = None) -> str:
+    """The models part of a profile's key: the pair, its dtype, and the drafter's head where it
+    computes a vocabulary subset (a cheaper drafter forward: its own profile)."""
+    head = f" head {draft_vocab_size}" if draft_vocab_size is not None else ""
+    return f"target {target} | drafter {drafter}{head} | {dtype}"
+
+
 def profile_key(models: str, threads: int | None = None) -> str:
     """What a profile is valid for: machine, torch, kernel build, models and dtype, threads."""
     from specav.models.quant_choice import machine_key
