@@ -59,7 +59,8 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from specav.cli import encode_prompt
-from specav.config import AdaptiveConfig, EngineConfig, EstimatorConfig, SamplingParams, SpeculativeConfig
+from specav.config import (PACKAGED_SPECULATIVE, AdaptiveConfig, EngineConfig, EstimatorConfig, SamplingParams,
+                           SpeculativeConfig)
 from specav.drafting import DraftModelDrafter
 from specav.engine.engine import Engine, eos_token_ids
 from specav.engine.profile import PROFILE_FILE, load_or_profile, models_key, profile_key
@@ -69,6 +70,7 @@ from specav.models import check_same_vocabulary, load_checkpoint, packaged
 from specav.models.native.probe import cpu_model
 from specav.models.packed import PackedCausalLM
 from specav.models.threads import ThreadChoice
+from specav.models.vocab_subset import apply_vocab_subset
 from specav.types import StepRecord, attended
 from specav.verification.cost_model import CostModel, CostProfile
 
@@ -452,6 +454,9 @@ def main() -> None:
                              "(a control of AV's cost where it does not draft, with --rounds)")
     parser.add_argument("--av-k", type=int, default=8, help="AV's num_speculative_tokens (the deepest it drafts)")
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--draft-vocab-size", type=int, default=PACKAGED_SPECULATIVE.draft_vocab_size or 0,
+                        help="the drafter's vocabulary-subset head for every method, as the packaged default "
+                             "runs it (0: the full head)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--av-variant", action="append", default=[], metavar="FIELD=VALUE[,FIELD=VALUE]",
                         help="also run AV with these AdaptiveConfig fields changed, EstimatorConfig fields "
@@ -469,8 +474,11 @@ def main() -> None:
     target = load_checkpoint("default", args.dtype, role="target")
     drafter = load_checkpoint("default", args.dtype, role="drafter")
     check_same_vocabulary(target, drafter)
+    head = args.draft_vocab_size or None
+    if head is not None:
+        apply_vocab_subset(drafter, head)
     probe = build_engine(target, drafter, args.av_k, False, max(concurrencies), None)
-    key = profile_key(models_key("default", "default", args.dtype))
+    key = profile_key(models_key("default", "default", args.dtype, head))
     profile = load_or_profile(probe.verifier, probe.drafter, key, packaged.cache_root() / PROFILE_FILE,
                               max(concurrencies) * (args.av_k + 1), max(concurrencies))
     variants = [(f"AV {v}", args.av_k, True, *_variant(parser, v)) for v in args.av_variant]
@@ -479,7 +487,8 @@ def main() -> None:
                                                                   for k in ks]
                + [("AV", args.av_k, True, default, estimator)] + variants)
     cpu = cpu_model()
-    print(f"packaged pair, {args.dtype}, {torch.get_num_threads()} threads, {cpu}; {args.requests} requests x "
+    print(f"packaged pair, {args.dtype}, drafter head {head or 'full'}, {torch.get_num_threads()} threads, {cpu}; "
+          f"{args.requests} requests x "
           f"{args.max_tokens} tokens per cell (EOS ignored), temperature 0.7, top-k 20, top-p 0.8")
     # warm-up: first calls' allocations, kernel plans
     run_cell(target, drafter, methods, [encode_prompt(target.tokenizer, "Hi")], 8, 1, profile)

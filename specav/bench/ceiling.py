@@ -1,7 +1,7 @@
 """What drafting could gain at concurrency 1 under rules that stop on the drafter's own confidence,
 at most, on a real labelled-draft log, priced by this machine's cost profile.
 
-    python -m specav.bench.ceiling LOG [LOG ...] [--draft-scale 1.0]
+    python -m specav.bench.ceiling LOG [LOG ...] [--draft-scale 1.0] [--draft-vocab-size 65536]
 
 The log is written by `specav eval collect` with static K = 8 (every step's block verified from
 slot 1; e.g. `specav eval collect --out runs/k8 --workloads code,chat,prose --prompts 8
@@ -41,6 +41,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from specav.config import PACKAGED_SPECULATIVE
 from specav.evaluation.report import fit_position_logistic, load_slots
 from specav.models import packaged
 from specav.types import attended
@@ -180,10 +181,13 @@ def main() -> None:
     parser.add_argument("logs", nargs="+")
     parser.add_argument("--draft-scale", type=float, default=1.0,
                         help="price the drafter's forwards at this multiple of the profile's")
+    parser.add_argument("--draft-vocab-size", type=int, default=PACKAGED_SPECULATIVE.draft_vocab_size or 0,
+                        help="whose profile prices the drafter: the one with this vocabulary-subset head (the "
+                             "packaged default's), 0: the full head's")
     args = parser.parse_args()
     from specav.engine.profile import PROFILE_FILE, cached_profile, models_key, profile_key
 
-    key = profile_key(models_key("default", "default", "auto"))
+    key = profile_key(models_key("default", "default", "auto", args.draft_vocab_size or None))
     profile = cached_profile(key, packaged.cache_root() / PROFILE_FILE, True, K + 1, 1)
     if profile is None:
         parser.error(f"no cost profile cached for {key!r}: run `specav profile` first")
