@@ -9,12 +9,13 @@ slot 1; e.g. `specav eval collect --out runs/k8 --workloads code,chat,prose --pr
 "num_speculative_tokens": 8}'`): per request and step, the accepted prefix a and the drafter's
 feature logit(q_max) of each slot up to the first rejection. Each logged step is a situation;
 a rule drafts d slots of it and verifies v <= d, emitting min(a, v) + 1 tokens, and costs what
-the cost profile (`specav profile`, the entry of this machine and the packaged pair in `auto`)
+the cost profile (`specav profile`, the entry of this machine and the packaged pair in `auto`,
+the drafter's head as --draft-vocab-size says)
 predicts for its drafter forwards (the first feeding what the drafter has not seen: one token after
-a step that drafted, everything since it last drafted otherwise) and its verification of v + 1
-tokens. A rule's speed is its tokens over its seconds across all situations, each request's in
-order, relative to target-only (one token a step, the plain decoding step's price). Printed per
-workload:
+a step that drafted, everything since it last drafted otherwise; the prompt taken as seen) and
+its verification of v + 1 tokens. A rule's speed is its tokens over its seconds across all
+situations, each request's in order, relative to target-only (one token a step, the plain
+decoding step's price). Printed per workload:
 
     static K        d = v = K for K = 1..8
     oracle          d = v = a: what bench adaptive's oracle drafts
@@ -102,7 +103,7 @@ def speed(requests: list[list[Situation]], choose, cost: CostModel) -> float:
     previous accepted) -> (drafted, verified)."""
     tokens = seconds = 0.0
     for situations in requests:
-        previous, unseen = K, 0  # a request's first step: its drafter has seen nothing since the prompt
+        previous, unseen = K, 0  # the prompt taken as seen (its catch-up left out for every rule alike)
         for s in situations:
             drafted, verified = choose(s, previous)
             emitted = min(s.accepted, verified) + 1
