@@ -20,7 +20,7 @@ def test_static_k_and_the_oracle_price_what_they_draft():
     target_only = speed(requests, Rule("target-only", min_previous=K + 1).slots, cost)
     assert target_only == pytest.approx(2 / (2 * cost.plain_seconds(1, ceiling.attended(1, ceiling.CONTEXT))))
     # the oracle: 3 then 8 slots drafted and verified, 4 then 9 tokens
-    oracle = speed(requests, lambda s, _: oracle_slots(s), cost)
+    oracle = speed(requests, oracle_slots, cost)
     by_hand = sum(cost.predict([(1, ceiling.attended(1, ceiling.CONTEXT))] + [(1, ceiling.CONTEXT + j) for j in range(1, a)],
                                a + 1, ceiling.attended(a + 1, ceiling.CONTEXT)).total for a in (3, 8))
     assert oracle == pytest.approx(13 / by_hand)
@@ -50,7 +50,7 @@ def test_the_stop_rules_bound_stays_at_or_below_the_oracle_and_at_or_above_targe
     doubtful = [[Situation(0, (-2.0,)), Situation(1, (1.0, -1.0)), Situation(0, (0.5,))] * 5]
     base = speed(doubtful, Rule("target-only", min_previous=K + 1).slots, cost)
     best = max(speed(doubtful, r.slots, cost) for r in ceiling.stop_rules(doubtful))
-    oracle = speed(doubtful, lambda s, _: oracle_slots(s), cost)
+    oracle = speed(doubtful, oracle_slots, cost)
     assert best == pytest.approx(base) and best <= oracle
 
 
@@ -72,5 +72,5 @@ def test_a_log_becomes_each_requests_situations_in_step_order(tmp_path):
     assert fit[0].shape == fit[1].shape == (K,)
     cost = CostModel(PROFILE)
     for requests in by_workload.values():
-        oracle = speed(requests, lambda s, _: oracle_slots(s), cost)
+        oracle = speed(requests, oracle_slots, cost)
         assert max(speed(requests, r.slots, cost) for r in ceiling.stop_rules(requests, fit)) <= oracle

@@ -43,6 +43,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from specav.config import PACKAGED_SPECULATIVE
+from specav.engine.profile import PROFILE_FILE, cached_profile, models_key, profile_key
 from specav.evaluation.report import fit_position_logistic, load_slots
 from specav.models import packaged
 from specav.types import attended
@@ -94,7 +95,8 @@ class Rule:
         return drafted, drafted - 1 if self.trim_last and last < self.theta else drafted
 
 
-def oracle_slots(s: Situation) -> tuple[int, int]:
+def oracle_slots(s: Situation, previous: int = K) -> tuple[int, int]:
+    """The oracle's (drafted, verified): exactly the accepted prefix (a rule's signature; previous unused)."""
     return s.accepted, s.accepted
 
 
@@ -171,7 +173,7 @@ def table(by_workload: dict[str, list[list[Situation]]], profile: CostProfile,
         best_k = max(static, key=static.get)
         rules = {r.name: speed(requests, r.slots, cost) / base for r in stop_rules(requests, fit)}
         best_rule = max(rules, key=rules.get)
-        oracle = speed(requests, lambda s, _: oracle_slots(s), cost) / base
+        oracle = speed(requests, oracle_slots, cost) / base
         lines.append(f"{workload:<8} {f'{static[best_k]:.3f}x (K={best_k})':>22} {rules[best_rule]:>25.3f}x "
                      f"{oracle:>7.3f}x {rules[best_rule] / oracle:>15.3f}  {best_rule}")
     return lines
@@ -186,8 +188,6 @@ def main() -> None:
                         help="whose profile prices the drafter: the one with this vocabulary-subset head (the "
                              "packaged default's), 0: the full head's")
     args = parser.parse_args()
-    from specav.engine.profile import PROFILE_FILE, cached_profile, models_key, profile_key
-
     key = profile_key(models_key("default", "default", "auto", args.draft_vocab_size or None))
     profile = cached_profile(key, packaged.cache_root() / PROFILE_FILE, True, K + 1, 1)
     if profile is None:

@@ -132,11 +132,12 @@ class HalfBlockLayouts:
 
     def __init__(self, model) -> None:
         self.weights = [p for m in model.hf_model.modules() for p in getattr(m, "packed", {}).values()
-                        if isinstance(p, KQuantWeight) and p.blocks.shape[1] % 144 == 80]
+                        if isinstance(p, KQuantWeight) and p.ends_in_half_block]
         self._layers = [m.kquant for m in model.hf_model.modules() if getattr(m, "kquant", None) is not None]
         self._layouts = {
             "trimmed": ([p.blocks for p in self.weights], [{} for _ in self._layers]),
-            "whole": ([torch.cat([p.blocks, p.blocks.new_zeros(p.blocks.shape[0], 64)], 1) for p in self.weights],
+            "whole": ([torch.cat([p.blocks, p.blocks.new_zeros(p.blocks.shape[0], KQuantWeight.HALF_BYTES)], 1)
+                       for p in self.weights],
                       [{} for _ in self._layers])}
 
     def use(self, layout: str) -> None:

@@ -147,7 +147,6 @@ class NativeLayerOps:
             call.next_eps, *rope, batch.keys, batch.values, call.index, batch.cached, batch.lengths, heads,
             call.scale)
 
-
     def attention_block(self, call, h: torch.Tensor, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                         batch, heads: int) -> torch.Tensor:
         """The layer's attention half in one native call (call: its quant.WholeLayerCall with `mlp`

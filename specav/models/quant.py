@@ -169,7 +169,7 @@ class WholeLayerCall:
     runs them (q, k, v and o only where `mlp` is False: the attention half's call), its two norms'
     weights and epsilons, its index and its attention scale."""
 
-    blocks: list[torch.Tensor]  # each [N, K / 256 * bytes per block] uint8: the file's blocks
+    blocks: list[torch.Tensor]  # each [N, bytes per row] uint8: KQuantWeight.blocks
     qtypes: list[int]  # GGUF type codes (Q4_K, Q6_K)
     biases: list[torch.Tensor | None]  # [N] float32 or None
     post_norm: torch.Tensor  # [hidden] the post-attention norm's weight

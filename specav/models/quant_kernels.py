@@ -171,6 +171,7 @@ class KQuantWeight(PackedWeight):
 
     kernel = "kquant"
     exact_types = frozenset({T.Q4_K, T.Q6_K})
+    Q4_K_BYTES, HALF_BYTES = 144, 64  # a Q4_K block of 256 weights; the second half of its nibbles
 
     def __init__(self, qtype: T, blocks: torch.Tensor, shape: tuple[int, int], ops) -> None:
         super().__init__(shape, blocks.nbytes)
@@ -188,9 +189,14 @@ class KQuantWeight(PackedWeight):
             raise ValueError(f"kquant cannot run {weight.name} ({weight.qtype.name}): "
                              f"{native.unavailable_reason() or 'only Q4_K and Q6_K'}")
         blocks = weight.blocks
-        if weight.qtype == T.Q4_K and 0 < weight.shape[1] % 256 <= 128 and blocks.shape[1] % 144 == 0:
-            blocks = np.ascontiguousarray(blocks[:, :-64])  # the half block's zero half, left unread
+        if weight.qtype == T.Q4_K and 0 < weight.shape[1] % 256 <= 128 and blocks.shape[1] % cls.Q4_K_BYTES == 0:
+            blocks = np.ascontiguousarray(blocks[:, :-cls.HALF_BYTES])  # the half block's zero half, left unread
         return cls(weight.qtype, torch.from_numpy(blocks), weight.shape, ops if ops is not None else native.ops())
+
+    @property
+    def ends_in_half_block(self) -> bool:
+        """Whether each row ends in a Q4_K block's first half (pack left its zero half out)."""
+        return self.qtype == T.Q4_K and self.blocks.shape[1] % self.Q4_K_BYTES == self.Q4_K_BYTES - self.HALF_BYTES
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return self.ops.kq_matmul(x.float().contiguous(), [self.blocks], [int(self.qtype)], [bias])[0]  # bias added inside
