@@ -1,5 +1,6 @@
 """bench native's `layers` section: both ways of running a layer timed in turns, the layers that ran
-as one call counted, and the op-by-op switch put back afterwards; the drafter section's half blocks."""
+as one call counted, and the op-by-op switch put back afterwards; the drafter section's half blocks,
+its turns and the bytes a one-row forward reads."""
 
 from __future__ import annotations
 
@@ -9,10 +10,11 @@ import torch
 from specav.bench import native as bench_native
 from specav.models import native
 from specav.models.layer_ops import NativeLayerOps
-from specav.models.quant import load_quantized
+from specav.models.quant import QuantizedLinear, load_quantized, quantized_nbytes
 from specav.models.quant_kernels import KQuantWeight
 from specav.models.threads import ThreadChoice
-from tests.test_quant import write_tiny_gguf
+from specav.models.vocab_subset import set_head, subset_head
+from tests.test_quant import FFN, HEADS, HIDDEN, KV_HEADS, LAYERS, VOCAB, write_tiny_gguf
 
 
 def test_layer_calls_times_both_ways_and_counts_the_layers(tmp_path, capsys, monkeypatch):
@@ -65,3 +67,47 @@ def test_a_drafter_whose_width_ends_in_half_a_block_computes_the_same_with_the_z
     assert all(s > 0 for s in seconds)
     assert all(p.blocks is b for p, b in zip(layouts.weights, packed))  # left out again afterwards
     assert all(torch.equal(a, b) for a, b in zip(trimmed, logits()))
+
+
+def test_in_turns_alternates_the_settings_and_leaves_the_warmup_out():
+    calls, seconds = [], {"a": iter([9.0, 9.0, 1.0, 2.0, 3.0]), "b": iter([9.0, 9.0, 5.0, 7.0, 6.0])}
+
+    def setting(name):
+        return lambda: calls.append(name) or next(seconds[name])
+
+    t = bench_native.in_turns({"a": setting("a"), "b": setting("b")}, forwards=3, warmup=2)
+    assert calls == ["a", "b", "b", "a", "a", "b", "b", "a", "a", "b"]  # the order reversed every other turn
+    assert t == {"a": 2.0, "b": 6.0}  # medians of the turns after the warm-up
+
+
+def test_one_row_bytes_counts_the_one_row_kernels_weights_and_a_subset_heads_rows(tmp_path):
+    """What a one-row forward reads: not the embedding, not a second packing of a weight for other
+    row counts; a vocabulary-subset head reads its rows only (the drafter section's byte ratios);
+    and the multiply-adds of a row in the linears (the forward section's arithmetic floor)."""
+    if not native.available():
+        pytest.skip(f"no native kernels: {native.unavailable_reason()}")
+    path = write_tiny_gguf(tmp_path / "tiny.gguf")
+    model = load_quantized(path, "auto", None, role="target")
+    linears = [m for m in model.hf_model.modules() if isinstance(m, QuantizedLinear)]
+    assert any(len(m.packed) > 1 for m in linears)  # weights packed for two kernels: one is read at one row
+    embedding = model.hf_model.get_input_embeddings()
+    everything = quantized_nbytes(model)
+    one_row = bench_native.one_row_bytes(model)
+    second_packings = sum(p.nbytes for m in linears for k, p in m.packed.items() if k != m.plan.kernel_for(1))
+    assert one_row == everything - embedding.nbytes - second_packings
+    kv = KV_HEADS * HIDDEN // HEADS
+    per_layer = 2 * HIDDEN * HIDDEN + 2 * kv * HIDDEN + 3 * FFN * HIDDEN  # q, o; k, v; gate, up, down
+    assert bench_native.multiply_adds(model) == LAYERS * per_layer + VOCAB * HIDDEN  # and the head
+    head = model.lm_head
+    rows = head.packed_for(1)
+    sub = subset_head(head, torch.arange(0, head.out_features, 4), head.out_features, path)
+    set_head(model, sub)
+    dropped = rows.nbytes - rows.nbytes // head.out_features * sub.rows.out_features
+    assert bench_native.one_row_bytes(model) == one_row - dropped
+
+
+def test_the_arithmetic_floor_is_rows_times_the_multiply_adds_at_the_peak_or_one():
+    # 1 ms for one row of 1e6 multiply-adds at 1e9 a second: the arithmetic alone takes one row's time
+    assert bench_native.arithmetic_floor(1e-3, 5, 10**6, 1e9) == pytest.approx(5.0)
+    assert bench_native.arithmetic_floor(1e-3, 16, 10**6, 4e9) == pytest.approx(4.0)
+    assert bench_native.arithmetic_floor(1e-3, 5, 10**6, 1e10) == 1.0  # the pass over the weights bounds it

@@ -17,6 +17,8 @@ has no quantiser for them; the packers are checked against gguf-py's dequantiser
 
 from __future__ import annotations
 
+import time
+
 import gguf
 import numpy as np
 import pytest
@@ -215,6 +217,31 @@ def test_kquant_rows_are_batch_invariant(native_ops, qtype, k):
                 assert torch.equal(packed.matmul(x[:rows]), alone[:rows]), (schedule, rows)
     finally:
         native_ops.set_schedule(saved)
+
+
+def test_int8_peak_bounds_the_kernel_at_many_rows(native_ops):
+    """int8_peak times the tile kernels' own dot step on register operands: no matmul of the variant
+    computes faster (16 rows of a 256 x 4608 weight, its activations and weights in the caches, the
+    best of 5 calls; with a generous margin for a VM's drift), and it is not a loop the compiler
+    shortened (a step shared or hoisted across chains would read many times the kernel's rate)."""
+    weight = KQuantWeight.pack(random_weight(T.Q4_K, n=256, k=4608), ops=native_ops)
+    x = torch.randn(16, 4608, generator=torch.Generator().manual_seed(0))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        weight.matmul(x)
+        peak = max(native_ops.int8_peak(200_000, 1) for _ in range(3))
+        best = float("inf")
+        for _ in range(5):
+            start = time.perf_counter()
+            weight.matmul(x)
+            best = min(best, time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(threads)
+    kernel = 16 * 256 * 4608 / best  # multiply-adds per second
+    assert kernel < 1.5 * peak < 1.5 * 12 * kernel, (kernel, peak)
+    with pytest.raises(RuntimeError, match="iterations > 0 and threads > 0"):
+        native_ops.int8_peak(0, 1)
 
 
 def test_kquant_refuses_an_unknown_schedule(native_ops):

@@ -8,18 +8,23 @@ section ends with how many cores other processes kept busy meanwhile, bench/load
 
 - kernels: each native variant this machine runs (native/variants.py), on one real tensor of every
   linear shape of the packaged target, one thread, cache-cold, best of --repeats: ms at 1, 5 and 16
-  rows, and 5 and 16 rows relative to 1;
+  rows, and 5 and 16 rows relative to 1; beside them the floor of those ratios at the variant's
+  arithmetic rate (its dot products on register operands, native int8_peak): n rows cost at least
+  n times the multiply-adds at that rate, however well the one pass over the weights is shared;
 - forward: the packaged target in `auto` (the variant the probe chose), 1, 5 and 16 new tokens on a
   128-token context with logits for every new token (verification), --threads threads, median of
   --repeats, and the 5- and 16-row forwards relative to the one-row forward (goals: <= 1.3x and
-  <= 2x);
+  <= 2x), beside the floor of those ratios at the variant's arithmetic rate on --threads threads at
+  once (their multiply-adds in the linears at that rate, against this run's one-row forward);
 - schedule: the k-quant kernel under each schedule (native/schedule.py), as the schedule's own
   measurement times it (ms per call, one thread, cache-cold), and the same forwards as above, the
   schedules in turns; which one this machine runs;
 - drafter: the packaged drafter's one-row forward in `auto` (every layer native) relative to the
-  target's (goal <= 0.25x), the share of its output head (151,936 rows), and its forward with the
-  zero halves of its K = 896 weights' last blocks read as well as left out (quant_kernels.KQuantWeight),
-  forward by forward in turns;
+  target's (goal <= 0.25x), with its full output head (151,936 rows) and with the packaged default's
+  vocabulary-subset head (`draft_vocab_size`), the three forwards in turns; the bytes of weights
+  each one-row forward reads (what bounds a forward that streams its weights from memory), and the
+  drafter's forward with the zero halves of its K = 896 weights' last blocks read as well as left
+  out (quant_kernels.KQuantWeight), forward by forward in turns;
 - layers: both models' one-row forward with each layer as one native call where its linears all run
   kquant (layer_ops.NativeLayerOps.whole_layer, native/decoder.cpp) and op by op, in turns, and how
   many layers ran as one call;
@@ -42,29 +47,34 @@ import subprocess
 import sys
 import time
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Callable, Iterator
 from unittest import mock
 
 import gguf
 import torch
+from torch import nn
 
 from specav.bench.load import foreign_load
 from specav.bench.quantized import time_forward
+from specav.config import PACKAGED_SPECULATIVE
 from specav.models import load_checkpoint, native, packaged
 from specav.models.layer_ops import NativeLayerOps
 from specav.models.native import schedule
 from specav.models.native.probe import cpu_model
 from specav.models.native.variants import VARIANTS
+from specav.models.quant import QuantizedEmbedding, QuantizedLinear
 from specav.models.quant_gguf import read_header
 from specav.models.quant_kernels import KQuantWeight
 from specav.models.threads import ThreadChoice
+from specav.models.vocab_ranking import load_ranking
+from specav.models.vocab_subset import set_head, subset_head
 
 KERNEL_ROWS = (1, 5, 16)
 FORWARD_ROWS = (1, 5, 16)
 SCHEDULE_ROWS = (1, 2, 5, 16)  # 2: one drafted slot, where kquant runs every layer
 CONTEXT = 128
+PEAK_ITERATIONS = 2_000_000  # int8_peak: 768 M multiply-adds, tens of ms
 _FLUSH = torch.zeros(64 << 18)  # 64 MiB, past the last-level cache
-
 
 
 def kernel_table(repeats: int) -> None:
@@ -80,19 +90,28 @@ def kernel_table(repeats: int) -> None:
         except native.VariantUnavailable as err:
             print(f"  {v.name}: not run ({err})")
     print(f"\nkernels: ms per call at {KERNEL_ROWS} rows (one thread, cache-cold, best of {repeats}); "
-          f"5 and 16 rows relative to 1")
+          f"5 and 16 rows relative to 1, and the least they could be at the variant's arithmetic rate")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         with foreign_load() as load:
+            peaks = {v: max(ops.int8_peak(PEAK_ITERATIONS, 1) for _ in range(repeats)) for v, ops in usable.items()}
+            print("  arithmetic on register operands (int8_peak, one thread, best of "
+                  f"{repeats}): " + ", ".join(f"{v} {p / 1e9:.1f} G multiply-adds/s" for v, p in peaks.items()))
             for key, name in sorted(shapes.items()):
-                print(f"  {key:<18} {_kernel_row(header.weight(name), usable, repeats)}", flush=True)
+                print(f"  {key:<18} {_kernel_row(header.weight(name), usable, peaks, repeats)}", flush=True)
     finally:
         torch.set_num_threads(threads)
     print(f"  ({load})")
 
 
-def _kernel_row(weight, usable: dict, repeats: int) -> str:
+def arithmetic_floor(one_row_seconds: float, rows: int, multiply_adds: int, peak: float) -> float:
+    """The least `rows` rows can cost relative to one: each row's multiply-adds at the variant's peak
+    rate, overlapped perfectly with the one-row call's time (its pass over the weights)."""
+    return max(1.0, rows * multiply_adds / peak / one_row_seconds)
+
+
+def _kernel_row(weight, usable: dict, peaks: dict, repeats: int) -> str:
     packed = {v: KQuantWeight.pack(weight, ops=ops) for v, ops in usable.items()}
     xs = [torch.randn(r, weight.shape[1], generator=torch.Generator().manual_seed(r)) for r in KERNEL_ROWS]
     best = {v: [float("inf")] * len(xs) for v in packed}
@@ -103,7 +122,10 @@ def _kernel_row(weight, usable: dict, repeats: int) -> str:
                 start = time.perf_counter()
                 p.matmul(x)
                 best[v][i] = min(best[v][i], time.perf_counter() - start)
-    return "  ".join(f"{v} {'/'.join(f'{t * 1e3:.2f}' for t in ts)} ({ts[1] / ts[0]:.2f}x, {ts[2] / ts[0]:.2f}x)"
+    macs = weight.shape[0] * weight.shape[1]
+    return "  ".join(f"{v} {'/'.join(f'{t * 1e3:.2f}' for t in ts)} ({ts[1] / ts[0]:.2f}x, {ts[2] / ts[0]:.2f}x; "
+                     f"floor {arithmetic_floor(ts[0], 5, macs, peaks[v]):.2f}x, "
+                     f"{arithmetic_floor(ts[0], 16, macs, peaks[v]):.2f}x)"
                      for v, ts in best.items())
 
 
@@ -148,22 +170,81 @@ class HalfBlockLayouts:
             layer._by_rows = memo
 
 
+def in_turns(settings: dict[str, Callable[[], float]], forwards: int, warmup: int = 2) -> dict[str, float]:
+    """Median seconds of each setting's forward (each callable puts its setting in place and returns
+    the seconds of one forward), the settings taking turns forward by forward, their order reversed
+    every other turn; the first `warmup` turns (each setting's calls made) left out."""
+    names = list(settings)
+    times = {name: [] for name in names}
+    for i in range(forwards + warmup):
+        for name in names if i % 2 == 0 else names[::-1]:
+            times[name].append(settings[name]())
+    return {name: statistics.median(t[warmup:]) for name, t in times.items()}
+
+
+def one_row(model) -> Callable[[], float]:
+    """A callable timing `model`'s one-row forward on a CONTEXT-token context of its own."""
+    context = torch.randint(0, model.vocab_size, (CONTEXT,), generator=torch.Generator().manual_seed(0)).tolist()
+    cache = model.new_cache(CONTEXT + 1)
+    model.forward([context], [cache], [0])
+    return lambda: time_forward(model, cache, context[-1:])
+
+
 def half_blocks(model, forwards: int) -> tuple[float, float]:
     """Median seconds of `model`'s one-row forward with its half blocks' zero halves left out and
     read (HalfBlockLayouts), the two alternating forward by forward; left out afterwards."""
     layouts = HalfBlockLayouts(model)
-    context = torch.randint(0, model.vocab_size, (CONTEXT,), generator=torch.Generator().manual_seed(0)).tolist()
-    cache = model.new_cache(CONTEXT + 1)
-    model.forward([context], [cache], [0])
-    times = {"trimmed": [], "whole": []}
+    forward = one_row(model)
+
+    def timed(layout: str) -> Callable[[], float]:
+        return lambda: (layouts.use(layout), forward())[1]
+
     try:
-        for i in range(forwards + 2):  # the first two of each: warm-up (each layout's calls made)
-            for layout in ("trimmed", "whole") if i % 2 == 0 else ("whole", "trimmed"):
-                layouts.use(layout)
-                times[layout].append(time_forward(model, cache, context[-1:]))
+        t = in_turns({layout: timed(layout) for layout in ("trimmed", "whole")}, forwards)
     finally:
         layouts.use("trimmed")
-    return statistics.median(times["trimmed"][2:]), statistics.median(times["whole"][2:])
+    return t["trimmed"], t["whole"]
+
+
+def one_row_bytes(model) -> int:
+    """Bytes of weights a one-row forward reads: every linear's weight as its one-row kernel packs it
+    (and its bias), the norms; of the embedding only a row (left out)."""
+    total = 0
+    for module in model.hf_model.modules():
+        if isinstance(module, QuantizedLinear):
+            total += module.packed_for(1).nbytes + (0 if module.bias is None else module.bias.nbytes)
+        elif not isinstance(module, (QuantizedEmbedding, nn.Embedding)):
+            total += sum(p.nbytes for p in module.parameters(recurse=False))
+    return total
+
+
+def multiply_adds(model) -> int:
+    """Multiply-adds of one row through the model's quantized linears (attention left out)."""
+    return sum(m.in_features * m.out_features for m in model.hf_model.modules() if isinstance(m, QuantizedLinear))
+
+
+def drafter_heads(target, drafter, size: int, forwards: int) -> tuple[dict[str, float], dict[str, int]]:
+    """The target's one-row forward and the drafter's (a Checkpoint) with its full head and with a
+    head over its `size` most frequent tokens (vocab_subset), in turns: median seconds and the bytes
+    of weights each reads (one_row_bytes). The drafter keeps its full head afterwards."""
+    model = drafter.model
+    full = model.lm_head
+    sub = subset_head(full, load_ranking(drafter.tokenizer).top(size, model.vocab_size), model.vocab_size,
+                      drafter.gguf_path)
+    sizes = {"target": one_row_bytes(target)}
+    for name, head in (("full head", full), ("subset head", sub)):
+        set_head(model, head)
+        sizes[name] = one_row_bytes(model)
+    target_forward, drafter_forward = one_row(target), one_row(model)
+
+    def timed(head: nn.Module) -> Callable[[], float]:
+        return lambda: (set_head(model, head), drafter_forward())[1]
+
+    try:
+        times = in_turns({"target": target_forward, "full head": timed(full), "subset head": timed(sub)}, forwards)
+    finally:
+        set_head(model, full)
+    return times, sizes
 
 
 def schedule_table(target, repeats: int) -> None:
@@ -314,28 +395,27 @@ def main(argv: list[str] | None = None) -> None:
     target = load_checkpoint("default", "auto", role="target").model
     models = {"target": target}
     if "drafter" not in skip:
-        models["drafter"] = load_checkpoint("default", "auto", role="drafter").model
+        drafter = load_checkpoint("default", "auto", role="drafter")
+        models["drafter"] = drafter.model
     for m in models.values():  # fixed threads for the forward and drafter tables (contention has its own)
         m.threads = None
-    if "forward" not in skip or "drafter" not in skip:
+    if "forward" not in skip:
         with foreign_load() as load:
-            t = forwards(models, FORWARD_ROWS if "forward" not in skip else (1,), args.repeats)
-        if "forward" not in skip:
-            one = t["target"][1]
-            print(f"\nforward: packaged target in auto, {CONTEXT}-token context, ms (median of {args.repeats})")
-            print("  " + "  ".join(f"{n} rows {t['target'][n] * 1e3:.1f}" for n in FORWARD_ROWS)
-                  + "  ->  " + "  ".join(f"{n} rows {t['target'][n] / one:.2f}x" for n in FORWARD_ROWS[1:]))
-        if "drafter" in models:
-            head = models["drafter"].lm_head
-            x = torch.randn(1, models["drafter"].config.hidden_size)
-            head_s = statistics.median(_timed(lambda: head(x)) for _ in range(args.repeats))
-            d = t["drafter"][1]
-            print(f"\ndrafter: one-row forward {d * 1e3:.1f} ms = {d / t['target'][1]:.2f}x the target's "
-                  f"{t['target'][1] * 1e3:.1f} ms; its output head alone {head_s * 1e3:.1f} ms ({head_s / d:.0%} of "
-                  f"it; without it {(d - head_s) / t['target'][1]:.2f}x)")
-            trimmed, whole = half_blocks(models["drafter"], 10 * args.repeats)
-            print(f"  the last blocks' zero halves left out {trimmed * 1e3:.1f} ms, read {whole * 1e3:.1f} ms "
-                  f"({trimmed / whole:.3f}x; median of {10 * args.repeats} forwards each, in turns)")
+            t = forwards({"target": target}, FORWARD_ROWS, args.repeats)
+        one = t["target"][1]
+        print(f"\nforward: packaged target in auto, {CONTEXT}-token context, ms (median of {args.repeats})")
+        print("  " + "  ".join(f"{n} rows {t['target'][n] * 1e3:.1f}" for n in FORWARD_ROWS)
+              + "  ->  " + "  ".join(f"{n} rows {t['target'][n] / one:.2f}x" for n in FORWARD_ROWS[1:]))
+        if native.selected() is not None:
+            peak = max(native.ops().int8_peak(PEAK_ITERATIONS, args.threads) for _ in range(args.repeats))
+            macs = multiply_adds(target)
+            print(f"  the least they could be at the variant's arithmetic rate on {args.threads} threads at once "
+                  f"({peak / 1e9:.1f} G multiply-adds/s, int8_peak; {macs / 1e9:.2f} G a row in the linears): "
+                  + "  ".join(f"{n} rows {arithmetic_floor(one, n, macs, peak):.2f}x" for n in FORWARD_ROWS[1:]))
+        print(f"  ({load})")
+    if "drafter" in models:
+        with foreign_load() as load:
+            drafter_section(target, drafter, 10 * args.repeats)
         print(f"  ({load})")
     if "schedule" not in skip and native.selected() is not None:
         with foreign_load() as load:
@@ -348,6 +428,28 @@ def main(argv: list[str] | None = None) -> None:
     if "contention" not in skip:
         del models
         contention(target, args.repeats, args.threads)
+
+
+def drafter_section(target, drafter, forwards: int) -> None:
+    """The drafter's one-row forward against the target's, both heads, and its half blocks (main)."""
+    size = PACKAGED_SPECULATIVE.draft_vocab_size
+    t, sizes = drafter_heads(target, drafter, size, forwards)
+    one, full, sub = t["target"], t["full head"], t["subset head"]
+    head, x = drafter.model.lm_head, torch.randn(1, drafter.model.config.hidden_size)
+    head_s = statistics.median(_timed(lambda: head(x)) for _ in range(forwards))
+    print(f"\ndrafter: one-row forward, median of {forwards} each, in turns with the target's ({one * 1e3:.1f} ms):")
+    print(f"  its full head ({head.out_features:,} rows) {full * 1e3:.1f} ms = {full / one:.2f}x the target's "
+          f"(the head alone {head_s * 1e3:.1f} ms, {head_s / full:.0%} of it)")
+    print(f"  the packaged default's {size:,}-token head (draft_vocab_size) {sub * 1e3:.1f} ms = {sub / one:.2f}x "
+          f"the target's ({sub / full:.2f}x the full head's)")
+    mb = {name: n / 1e6 for name, n in sizes.items()}
+    print(f"  weights a one-row forward reads: target {mb['target']:.0f} MB; drafter {mb['full head']:.0f} MB "
+          f"({sizes['full head'] / sizes['target']:.2f}x) with its full head, {mb['subset head']:.0f} MB "
+          f"({sizes['subset head'] / sizes['target']:.2f}x) with the {size:,}-token head: where forwards stream "
+          f"their weights from memory, what the drafter's can cost relative to the target's")
+    trimmed, whole = half_blocks(drafter.model, forwards)
+    print(f"  the last blocks' zero halves left out {trimmed * 1e3:.1f} ms, read {whole * 1e3:.1f} ms "
+          f"({trimmed / whole:.3f}x; median of {forwards} forwards each, in turns)")
 
 
 def _timed(fn) -> float:

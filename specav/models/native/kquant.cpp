@@ -39,6 +39,7 @@
 
 #include <array>
 #include <atomic>
+#include <chrono>
 #include <type_traits>
 #include <vector>
 
@@ -285,6 +286,35 @@ std::vector<at::Tensor> kq_matmul(const at::Tensor& x, at::TensorList weights, a
 
 namespace {
 
+// Multiply-adds (weight code x activation code) per second of the kernels' arithmetic on register
+// operands, summed over `threads` threads running at once (on a VM two "cores" may be one core's
+// two hardware threads, sharing its multipliers): each runs the variant's per-row step on 64 codes
+// (peak_step: the dot64 of the tile kernels) in independent chains, `iterations` times each, with no
+// load, decode or memory in the way. What no tile of this variant can beat: at many rows, where one
+// pass over the weights serves them all, the arithmetic bounds a matmul (bench native).
+double int8_peak(int64_t iterations, int64_t threads) {
+  TORCH_CHECK(iterations > 0 && threads > 0, "int8_peak needs iterations > 0 and threads > 0, got ", iterations,
+              " and ", threads);
+  constexpr int kChains = 6;
+  const auto start = std::chrono::steady_clock::now();
+#pragma omp parallel num_threads(static_cast<int>(threads))
+  {
+    __m256i lo = _mm256_set1_epi8(7), hi = _mm256_set1_epi8(9), x0 = _mm256_set1_epi8(3), x1 = _mm256_set1_epi8(-2);
+    const __m256i s = _mm256_set1_epi16(1);
+    __m256i acc[kChains];
+    for (auto& v : acc) v = _mm256_setzero_si256();
+    for (int64_t i = 0; i < iterations; ++i) {
+      for (int c = 0; c < kChains; ++c) {
+        asm volatile("" : "+x"(x0), "+x"(x1));  // the operands "change" (no instruction): no step is shared or hoisted
+        acc[c] = peak_step(acc[c], lo, hi, x0, x1, s);
+      }
+    }
+    for (auto& v : acc) asm volatile("" : : "x"(v));  // the sums are used: nothing is left out
+  }
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return static_cast<double>(iterations) * threads * kChains * 64 / seconds;
+}
+
 // The activation quantisation alone (natural order), so tests can rebuild the kernel's arithmetic exactly.
 std::tuple<at::Tensor, at::Tensor> quantize_activations(const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be a contiguous [T, K] float32 tensor");
@@ -309,6 +339,7 @@ SPECAV_FRAGMENT(m) {
   m.def("quantize_activations(Tensor x) -> (Tensor, Tensor)");
   m.def("isa() -> str", &isa);  // no tensor arguments: one kernel for every dispatch key
   m.def("set_schedule(int schedule) -> int", &set_schedule);
+  m.def("int8_peak(int iterations, int threads=1) -> float", &int8_peak);  // no tensor arguments, as isa
 }
 
 SPECAV_IMPL(m) {

@@ -20,6 +20,19 @@ inline __m256i broadcast_words(__m256i v, int lo_word, int hi_word) {
   return _mm256_shuffle_epi8(v, _mm256_setr_m128i(lo, hi));
 }
 
+// What a tile spends per row on 64 codes of a Q4_K block (sub-blocks 2c and 2c + 1: nibbles lo and
+// hi, their activations x0 and x1, scales s_lo and s_hi as int16 words): u8 x s8 products added in
+// pairs (maddubs), times the sub-block scale and added in pairs again (madd), into the int32 sums.
+inline __m256i dot64(__m256i isum, __m256i lo, __m256i hi, __m256i x0, __m256i x1, __m256i s_lo, __m256i s_hi) {
+  return _mm256_add_epi32(isum, _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(lo, x0), s_lo),
+                                                 _mm256_madd_epi16(_mm256_maddubs_epi16(hi, x1), s_hi)));
+}
+
+// dot64 with one scale word for both sub-blocks (int8_peak: the arithmetic alone).
+inline __m256i peak_step(__m256i isum, __m256i lo, __m256i hi, __m256i x0, __m256i x1, __m256i s) {
+  return dot64(isum, lo, hi, x0, x1, s, s);
+}
+
 // One Q4_K weight row (nb blocks of 144 bytes: d, dmin, 12 bytes of scales, 128 of nibbles; with
 // half_last, the last block's first 80: its sub-blocks 0-3) against activation rows r0 .. r0 + R - 1;
 // writes out[r * ldo] = dot + bias.
@@ -49,9 +62,8 @@ void q4k_tile(const uint8_t* w, const ActView& a, int64_t r0, int64_t b0, int64_
       const __m256i s_hi = broadcast_words(scales, 2 * c + 1, 2 * c + 1);
       for (int r = 0; r < R; ++r) {
         const int8_t* xr = a.xq + (r0 + r) * a.kp + b * 256 + c * 64;
-        const __m256i p_lo = _mm256_maddubs_epi16(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr)));
-        const __m256i p_hi = _mm256_maddubs_epi16(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + 32)));
-        isum[r] = _mm256_add_epi32(isum[r], _mm256_add_epi32(_mm256_madd_epi16(p_lo, s_lo), _mm256_madd_epi16(p_hi, s_hi)));
+        isum[r] = dot64(isum[r], lo, hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr)),
+                        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + 32)), s_lo, s_hi);
       }
     }
     // The min term: dmin * m_j against dx * (sum of sub-block j's 32 codes), 8 lanes.

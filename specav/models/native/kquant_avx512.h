@@ -40,6 +40,18 @@ inline __m256i pack_scales(__m256i words, int a, int b, int a2, int b2) {
   return _mm256_shuffle_epi8(words, idx);
 }
 
+// What a tile spends per row on 64 codes (two 32-byte parts of nibbles lo and hi, their activations
+// x0 and x1, the scale words s for packs(lo's sums, hi's sums)): two vpdpbusd, a pack, a vpdpwssd.
+inline __m256i dot64(__m256i isum, __m256i lo, __m256i hi, __m256i x0, __m256i x1, __m256i s) {
+  const __m256i z = _mm256_setzero_si256();
+  return _mm256_dpwssd_epi32(isum, _mm256_packs_epi32(_mm256_dpbusd_epi32(z, lo, x0), _mm256_dpbusd_epi32(z, hi, x1)), s);
+}
+
+// int8_peak's step: the arithmetic alone.
+inline __m256i peak_step(__m256i isum, __m256i lo, __m256i hi, __m256i x0, __m256i x1, __m256i s) {
+  return dot64(isum, lo, hi, x0, x1, s);
+}
+
 // One Q4_K weight row (nb blocks of 144 bytes: d, dmin, 12 bytes of scales, 128 of nibbles; with
 // half_last, the last block's first 80: its sub-blocks 0-3) against activation rows r0 .. r0 + R - 1;
 // writes out[r * ldo] = dot + bias.
@@ -71,13 +83,8 @@ void q4k_tile(const uint8_t* w, const ActView& a, int64_t r0, int64_t b0, int64_
         _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(u + 2)))));
     for (int r = 0; r < R; ++r) {
       const int8_t* xr = a.xq + (r0 + r) * a.kp + b * 256;
-      const __m256i z = _mm256_setzero_si256();
-      __m256i isum = z;
-      for (int c = 0; c < C; ++c) {
-        const __m256i h = _mm256_packs_epi32(_mm256_dpbusd_epi32(z, lo[c], load256(xr + 64 * c)),
-                                             _mm256_dpbusd_epi32(z, hi[c], load256(xr + 64 * c + 32)));
-        isum = _mm256_dpwssd_epi32(isum, h, s[c]);
-      }
+      __m256i isum = _mm256_setzero_si256();
+      for (int c = 0; c < C; ++c) isum = dot64(isum, lo[c], hi[c], load256(xr + 64 * c), load256(xr + 64 * c + 32), s[c]);
       const float xd = a.dx[(r0 + r) * a.nb + b];
       // The block's sum, d dx isum - (dmin m) . (dx xs), then one add: the sum carried over the
       // blocks waits for one addition per block, not for two fused multiply-adds.
@@ -126,14 +133,10 @@ void q6k_tile(const uint8_t* w, const ActView& a, int64_t r0, int64_t b0, int64_
     }
     for (int r = 0; r < R; ++r) {
       const int8_t* xr = a.xq + (r0 + r) * a.kp + b * 256;
-      const __m256i z = _mm256_setzero_si256();
       // The -32 of every code: -32 * sc_j against the sums of 16 codes.
       __m256i isum = _mm256_madd_epi16(load256(a.xs16 + (r0 + r) * (a.kp / 16) + b * 16), minus32);
-      for (int pair = 0; pair < 4; ++pair) {  // parts 2 pair and 2 pair + 1: elements 64 pair .. + 63
-        const __m256i h = _mm256_packs_epi32(_mm256_dpbusd_epi32(z, q[2 * pair], load256(xr + 64 * pair)),
-                                             _mm256_dpbusd_epi32(z, q[2 * pair + 1], load256(xr + 64 * pair + 32)));
-        isum = _mm256_dpwssd_epi32(isum, h, s[pair]);
-      }
+      for (int pair = 0; pair < 4; ++pair)  // parts 2 pair and 2 pair + 1: elements 64 pair .. + 63
+        isum = dot64(isum, q[2 * pair], q[2 * pair + 1], load256(xr + 64 * pair), load256(xr + 64 * pair + 32), s[pair]);
       acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * a.dx[(r0 + r) * a.nb + b]), _mm256_cvtepi32_ps(isum), acc[r]);
     }
   }
