@@ -62,7 +62,7 @@ from specav.models.layer_ops import NativeLayerOps
 from specav.models.native import schedule
 from specav.models.native.probe import cpu_model
 from specav.models.native.variants import VARIANTS
-from specav.models.quant import QuantizedEmbedding, QuantizedLinear
+from specav.models.quant import QuantizedLinear, quantized_nbytes
 from specav.models.quant_gguf import read_header
 from specav.models.quant_kernels import KQuantWeight
 from specav.models.threads import ThreadChoice
@@ -207,15 +207,11 @@ def half_blocks(model, forwards: int) -> tuple[float, float]:
 
 
 def one_row_bytes(model) -> int:
-    """Bytes of weights a one-row forward reads: every linear's weight as its one-row kernel packs it
-    (and its bias), the norms; of the embedding only a row (left out)."""
-    total = 0
-    for module in model.hf_model.modules():
-        if isinstance(module, QuantizedLinear):
-            total += module.packed_for(1).nbytes + (0 if module.bias is None else module.bias.nbytes)
-        elif not isinstance(module, (QuantizedEmbedding, nn.Embedding)):
-            total += sum(p.nbytes for p in module.parameters(recurse=False))
-    return total
+    """Bytes of weights a one-row forward reads: the model's weights (quant.quantized_nbytes) less the
+    embedding (a row of it is read) and each linear's packings for other row counts than one."""
+    other_packings = sum(p.nbytes for m in model.hf_model.modules() if isinstance(m, QuantizedLinear)
+                         for p in m.packed.values() if p is not m.packed_for(1))
+    return quantized_nbytes(model) - model.hf_model.get_input_embeddings().nbytes - other_packings
 
 
 def multiply_adds(model) -> int:
