@@ -289,11 +289,12 @@ def test_damping_scales_the_newton_step(mode):
     steps = [draw_step(rng) for _ in range(6)]
     for s in steps:
         observe(est, s)
-    before = params(est)
+    before, version = params(est), est.version
     expected = raw_newton(est, steps, config.ridge)
     n_i = design(steps)[0][:, 1:].sum(0)
     result = est.refit()  # the first refit: nothing pooled yet, so both modes take the same step
     assert result.outcome is RefitOutcome.APPLIED and result.applied
+    assert est.version != version  # the scores changed: what the planner kept is scored again
     assert result.num_labels == n_i.sum() and result.num_labels_per_slot.tolist() == n_i.tolist()
     assert result.pooled_labels == n_i.sum()
     np.testing.assert_allclose(np.r_[result.newton_slope, result.newton_intercepts.numpy()],
@@ -678,7 +679,9 @@ def test_state_dict_round_trips_exactly(mode):
     state = est.state_dict()
     assert state["format"] == 2 and (mode == "windowed") == (state["pooled_statistics"].abs().sum() == 0)
     copy = OnlineAcceptanceEstimator(K, config)
+    version = copy.version
     copy.load_state_dict(state)
+    assert copy.version != version
     for key, value in copy.state_dict().items():
         if isinstance(value, torch.Tensor):
             assert torch.equal(value, state[key]), key
@@ -724,6 +727,7 @@ def test_make_scorer_prefers_the_drafters_head():
     class Head:
         name = "head"
         feature = "logit_q_max"
+        version = 0
 
         def score(self, features):
             return torch.full_like(features, 0.5)

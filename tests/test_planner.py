@@ -19,8 +19,8 @@ from specav.acceptance.features import LossyFeatureError
 from specav.config import AdaptiveConfig, SamplingParams
 from specav.request import Request
 from specav.types import DraftBatch, Ragged, Scores
-from specav.verification.adaptive import (_PRIOR_BLOCKS, AdaptivePlanner, BlockSamples, Population, block_survival,
-                                          select_prefix)
+from specav.verification.adaptive import (_PRIOR_BLOCKS, AdaptivePlanner, BlockSamples, Population, SurvivalSums,
+                                          block_survival, select_prefix)
 from specav.verification.cost_model import CostCurve, CostModel, CostProfile
 from specav.verification.planner import PLANNERS, DraftPlan, StaticPlanner, RequestShape, make_planner
 
@@ -544,7 +544,7 @@ def test_requests_at_max_tokens_draft_nothing_and_never_explore():
 
 def test_a_lossy_scorer_is_refused():
     class QSampledScorer:
-        name, feature = "lossy", "q_sampled"
+        name, feature, version = "lossy", "q_sampled", 0
 
         def score(self, features):
             return features
@@ -575,7 +575,7 @@ def test_one_odd_block_is_shrunk_toward_the_population_and_many_are_not():
     odd, doubtful = requests(2)
     p.history[odd.request_id] = type(p._history(odd))(samples=BlockSamples.of([[-6.0]], 1.0))
     p.history[doubtful.request_id] = type(p._history(doubtful))(samples=BlockSamples.of([[-6.0]], 10.0))
-    first = p._predicted_blocks(*p._history_samples([odd]))[0, 0]
+    first = p._predicted_blocks([odd])[0][0]
     c = torch.sigmoid(torch.tensor([-6.0, 6.0], dtype=torch.float64))  # the unfitted estimator: raw q_max
     assert float(first) == pytest.approx(float((c[0] + _PRIOR_BLOCKS * c[1]) / (1 + _PRIOR_BLOCKS)))
     plan = p.draft_plan([odd, doubtful], [4, 4], [RequestShape(1, 10)] * 2)
@@ -589,10 +589,10 @@ def test_a_request_is_predicted_by_the_mean_confidence_of_its_blocks_not_of_thei
     p = planner(4)
     request = requests(1)[0]
     p.history[request.request_id] = type(p._history(request))(samples=BlockSamples.of([[8.0], [-4.0]] * 8))
-    expected = p._predicted_blocks(*p._history_samples([request]))[0]
+    expected = p._predicted_blocks([request])[0]
     sure, doubtful = torch.sigmoid(torch.tensor(8.0, dtype=torch.float64)), torch.sigmoid(torch.tensor(-4.0, dtype=torch.float64))
     survival = [(sure ** n + doubtful ** n) / 2 for n in range(1, 5)]
-    assert expected.tolist() == pytest.approx(torch.tensor(survival).cumsum(0).tolist())
+    assert expected == pytest.approx(torch.tensor(survival).cumsum(0).tolist())
     assert float(expected[0]) < 0.51 < float(torch.sigmoid(torch.tensor(2.0)))
 
 
@@ -604,10 +604,10 @@ def test_a_blocks_deep_slots_do_not_stand_for_a_slot_1():
     p = planner(4)
     p.population = Population.of([[-4.0, 8.0, 8.0, 8.0]])
     request = requests(1)[0]
-    expected = p._predicted_blocks(*p._history_samples([request]))[0]
+    expected = p._predicted_blocks([request])[0]
     doubtful, sure = (torch.sigmoid(torch.tensor(x, dtype=torch.float64)) for x in (-4.0, 8.0))
     survival = torch.stack([doubtful * sure ** n for n in range(4)])  # the block's own slots, each at its position
-    assert expected.tolist() == pytest.approx(survival.cumsum(0).tolist())
+    assert expected == pytest.approx(survival.cumsum(0).tolist())
     assert float(expected[-1]) < 0.08
 
 
@@ -659,6 +659,64 @@ def test_block_survival_is_the_mean_survival_of_whole_blocks_and_counts_a_stoppe
     first[:, 0] = True
     assert block_survival(c, w, first).tolist() == pytest.approx(mean.tolist())
     assert block_survival(c, torch.zeros(3, dtype=torch.float64), whole).tolist() == [0.0] * 3  # nothing known
+
+
+def _reference_survival(confidences: torch.Tensor, weights: torch.Tensor, drafted: torch.Tensor) -> torch.Tensor:
+    """block_survival's definition, in tensors: the product-limit ratios over the blocks at risk."""
+    s = torch.cumprod(confidences, dim=-1)
+    before = torch.cat([torch.ones_like(s[:, :1]), s[:, :-1]], dim=-1)
+    seen = drafted & (weights[:, None] > 0)
+    risk = torch.where(seen.any(dim=0, keepdim=True), seen, torch.ones_like(seen)).to(s.dtype)
+    num, den = (weights[:, None] * risk * s).sum(0), (weights[:, None] * risk * before).sum(0)
+    return torch.cumprod(torch.where(den > 0, num / torch.where(den > 0, den, 1.0), torch.zeros_like(num)), dim=0)
+
+
+_blocks = st.lists(st.tuples(st.lists(st.floats(0.0, 1.0, allow_subnormal=False), min_size=4, max_size=4), st.integers(1, 4),
+                             st.sampled_from([0.0, 0.25, 1.0, 3.0])), min_size=1, max_size=6)
+
+
+@settings(max_examples=200, deadline=None)
+@given(_blocks, _blocks, st.sampled_from([0.5, 1.0, 2.0]))
+def test_survival_sums_of_a_union_are_the_sums_of_its_parts(first, second, scale):
+    """What the planner's caches rest on: the population's sums kept request by request, added to
+    a request's own (its weights scaled), give the survival of all the blocks at once."""
+    def sums(blocks, factor=1.0):
+        return SurvivalSums.of([c for c, _, _ in blocks], [n for _, n, _ in blocks],
+                               [w * factor for _, _, w in blocks], 4)
+    union = first + [(c, n, w * scale) for c, n, w in second]
+    together = sums(union).survival()
+    assert sums(first).plus(sums(second), scale).survival() == pytest.approx(together, abs=1e-12)
+    confidences = torch.tensor([c for c, _, _ in union], dtype=torch.float64)
+    weights = torch.tensor([w for _, _, w in union], dtype=torch.float64)
+    drafted = torch.arange(4)[None, :] < torch.tensor([n for _, n, _ in union])[:, None]
+    assert together == pytest.approx(_reference_survival(confidences, weights, drafted).tolist(), abs=1e-12)
+
+
+def test_the_planners_kept_confidences_follow_the_scorer_and_the_population():
+    """The planner keeps its blocks' confidences and the population's sums between steps; after the
+    estimator refits, or the population drafts again, it predicts what a planner that keeps nothing
+    predicts (one that ignored the scorer's version would go on predicting the old fit)."""
+    estimator = OnlineAcceptanceEstimator(4)
+    p = AdaptivePlanner(4, estimator, cost_model(), AdaptiveConfig(exploration=0.0, control_share=0.0))
+    request = requests(1)[0]
+    p.population = Population.of([[1.0, 2.0, -1.0], [0.5]], "a")
+    p.history[request.request_id] = type(p._history(request))(samples=BlockSamples.of([[2.0, 2.0], [-1.0]]))
+
+    def fresh() -> list[float]:
+        q = AdaptivePlanner(4, estimator, cost_model(), AdaptiveConfig(exploration=0.0, control_share=0.0))
+        q.population, q.history = p.population, p.history
+        return q._predicted_survival([request])[0]
+
+    before = p._predicted_survival([request])[0]
+    assert before == pytest.approx(fresh(), abs=1e-15)
+    state = estimator.state_dict()
+    estimator.load_state_dict({**state, "slope": torch.tensor(2.5, dtype=torch.float64),
+                               "intercepts": torch.tensor([1.0, 0.0, -1.0, -2.0], dtype=torch.float64)})
+    after = p._predicted_survival([request])[0]
+    assert after == pytest.approx(fresh(), abs=1e-15) and after != pytest.approx(before, abs=1e-6)
+    p.population.add("b", [-3.0, -3.0])
+    p.population.add("a", [4.0])
+    assert p._predicted_survival([request])[0] == pytest.approx(fresh(), abs=1e-15)
 
 
 def test_only_caught_up_requests_explore():

@@ -241,6 +241,7 @@ class OnlineAcceptanceEstimator:
         self.num_skipped = 0
         self.num_changes = 0
         self.last_refit: RefitResult | None = None
+        self.version = 0  # changes with the parameters (the Scorer protocol's `version`)
 
     # ---- parameters -------------------------------------------------------------
 
@@ -410,6 +411,7 @@ class OnlineAcceptanceEstimator:
         if outcome is RefitOutcome.APPLIED:
             self._slope += d_slope
             self._intercepts += d_intercepts
+            self.version += 1
             self._pooled = self._carry(stats, d_slope, d_intercepts)
         elif outcome is RefitOutcome.NO_LABELS:
             self._pooled = self._carry(stats, 0.0, torch.zeros_like(self._intercepts))
@@ -527,6 +529,7 @@ class OnlineAcceptanceEstimator:
                 raise ValueError(f"state[{key!r}] has shape {tuple(value.shape)}, expected {want}")
             tensors[key] = value.to(self.device, _DTYPE).clone()
         self._slope, self._intercepts = tensors["slope"], tensors["intercepts"]
+        self.version += 1
         self._stats, self._pooled = tensors["statistics"], tensors["pooled_statistics"]
         self.labels_fitted = float(state["labels_fitted"])
         for key in ("steps_since_refit", "total_steps", "num_refits", "num_skipped", "num_changes"):

@@ -25,12 +25,16 @@ class Scorer(Protocol):
     """Turns slot features into confidences and learns from verification outcomes.
 
     feature: the name of the slot feature it reads (a key of `DraftBatch.features`).
+    version: changes whenever `score`'s mapping may have changed (a head that does not learn keeps
+        one); what scores features once and keeps the confidences (the planner's past blocks)
+        scores them again when it changes.
     score: features # [B, K] (NaN for undrafted slots) -> confidences # [B, K] in [0, 1].
     observe: the same features # [B, K], num_admitted # [B] int, num_accepted # [B] int.
     """
 
     name: str
     feature: str
+    version: int
 
     def score(self, features: torch.Tensor) -> torch.Tensor: ...
 
@@ -64,7 +68,7 @@ def make_scorer(num_slots: int, config: EstimatorConfig = EstimatorConfig(),
         return OnlineAcceptanceEstimator(num_slots, config)
     if not isinstance(head, Scorer):
         raise TypeError(f"head {type(head).__name__} does not satisfy the Scorer protocol: it needs "
-                        "`name` and `feature` attributes and methods score(features) and "
+                        "`name`, `feature` and `version` attributes and methods score(features) and "
                         "observe(features, num_admitted, num_accepted); pass head=None to use the "
                         "online estimator")
     return head

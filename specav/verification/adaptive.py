@@ -103,6 +103,7 @@ Must not know: models, the rejection sampler, the engine, the server.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import random
 from dataclasses import dataclass, field
@@ -123,6 +124,7 @@ HISTORY_BLOCKS = 8  # a request's latest drafted blocks kept (older ones weigh <
 POPULATION_REQUESTS = 8  # the population: the latest requests that drafted ...
 REQUEST_BLOCKS = 16  # ... each with its latest drafted blocks
 _PRIOR_BLOCKS = 1.0  # the population's blocks count as this many of the request's own blocks
+_SCORED_BLOCKS = 4096  # blocks whose confidences the planner keeps (a bound: it forgets all past it)
 _CAUGHT_UP = 2  # drafter pending tokens of a request that drafted last step (its final token, maybe x_K)
 
 
@@ -184,7 +186,6 @@ class Population:
 
     requests: dict[str, list[list[float]]] = field(default_factory=dict)  # oldest drafting first
     speedups: dict[str, float] = field(default_factory=dict)  # of those requests, the latest measured speed-up
-    _cache: dict[int, tuple[torch.Tensor, ...]] = field(default_factory=dict)  # per K: samples (below)
 
     @classmethod
     def of(cls, blocks: Iterable[Sequence[float]], request_id: str = "traffic") -> "Population":
@@ -203,7 +204,6 @@ class Population:
         while len(self.requests) > POPULATION_REQUESTS:
             self.speedups.pop(oldest := next(iter(self.requests)), None)
             del self.requests[oldest]
-        self._cache.clear()
 
     def measured(self, request_id: str, speedup: float) -> None:
         """Request `request_id`'s measured speed-up is now `speedup` (kept if it is one of the population's)."""
@@ -225,20 +225,6 @@ class Population:
         return BlockSamples([b for blocks in self.requests.values() for b in blocks],
                             [1.0 / (n * len(blocks)) for blocks in self.requests.values() for _ in blocks])
 
-    def samples(self, num_slots: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Per request, its blocks as `block_survival`'s inputs, each request's weighing 1:
-        features # [R, M, K], weights # [R, M] (zero weights pad) and drafted # [R, M, K] bool."""
-        if num_slots not in self._cache:
-            r, m = len(self.requests), max((len(b) for b in self.requests.values()), default=0)
-            features = torch.zeros(r, max(m, 1), num_slots, dtype=torch.float64)
-            drafted = torch.zeros(r, max(m, 1), num_slots, dtype=torch.bool)
-            weights = torch.zeros(r, max(m, 1), dtype=torch.float64)
-            for i, blocks in enumerate(self.requests.values()):
-                features[i, :len(blocks)], drafted[i, :len(blocks)] = block_features(blocks, num_slots)
-                weights[i, :len(blocks)] = 1.0 / len(blocks)
-            self._cache[num_slots] = (features, weights, drafted)
-        return self._cache[num_slots]
-
 
 def block_features(blocks: Sequence[Sequence[float]], num_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Blocks as the inputs of `block_survival`: their features # [M, K], past a block's end its
@@ -249,10 +235,71 @@ def block_features(blocks: Sequence[Sequence[float]], num_slots: int) -> tuple[t
     return features, drafted
 
 
+@dataclass(slots=True)
+class SurvivalSums:
+    """What `block_survival` sums over a set of weighted blocks, per slot i: over the blocks that
+    drafted slot i (with weight > 0), their weighted survival to slot i and to slot i - 1, and the
+    same over every block (extended past its end by its last slot's confidence), for the slots no
+    block drafted. The sums of a union of sets are the sums of their sums, so the population's are
+    kept request by request and only a request that drafted again is summed again: gathered into
+    tensors and reduced every step, the slot-1 prediction took 1 ms a step at concurrency 1 (chat,
+    2% of a step with the stop rule's share). Plain Python: a handful of numbers per slot."""
+
+    drafted_num: list[float]
+    drafted_den: list[float]
+    all_num: list[float]
+    all_den: list[float]
+    seen: list[bool]
+
+    @classmethod
+    def zero(cls, num_slots: int) -> "SurvivalSums":
+        return cls([0.0] * num_slots, [0.0] * num_slots, [0.0] * num_slots, [0.0] * num_slots,
+                   [False] * num_slots)
+
+    @classmethod
+    def of(cls, confidences: Sequence[Sequence[float]], lengths: Sequence[int], weights: Sequence[float],
+           num_slots: int) -> "SurvivalSums":
+        """Blocks' confidences # [M][K] (scored at their positions; past a block's end, its last
+        slot's feature), how many slots each drafted # [M] and their weights # [M]."""
+        sums = cls.zero(num_slots)
+        for c, n, w in zip(confidences, lengths, weights):
+            if w <= 0:
+                continue
+            before = 1.0
+            for i in range(num_slots):
+                after = before * c[i]
+                sums.all_num[i] += w * after
+                sums.all_den[i] += w * before
+                if i < n:
+                    sums.drafted_num[i] += w * after
+                    sums.drafted_den[i] += w * before
+                    sums.seen[i] = True
+                before = after
+        return sums
+
+    def plus(self, other: "SurvivalSums", scale: float = 1.0) -> "SurvivalSums":
+        """These blocks and `other`'s, its weights times `scale`."""
+        def add(x: list[float], y: list[float]) -> list[float]:
+            return [a + scale * b for a, b in zip(x, y)]
+        return SurvivalSums(add(self.drafted_num, other.drafted_num), add(self.drafted_den, other.drafted_den),
+                            add(self.all_num, other.all_num), add(self.all_den, other.all_den),
+                            [a or (b and scale > 0) for a, b in zip(self.seen, other.seen)])
+
+    def survival(self) -> list[float]:
+        """The next block's survival of slots 1..K (`block_survival`)."""
+        out, s = [], 1.0
+        for i, seen in enumerate(self.seen):
+            num, den = (self.drafted_num[i], self.drafted_den[i]) if seen else (self.all_num[i], self.all_den[i])
+            s *= num / den if den > 0 else 0.0
+            out.append(s)
+        return out
+
+
 def block_survival(confidences: torch.Tensor, weights: torch.Tensor, drafted: torch.Tensor) -> torch.Tensor:
-    """The next block's survival of slots 1..K # [..., K], from past blocks' confidences # [..., M, K]
+    """The next block's survival of slots 1..K # [K], from past blocks' confidences # [M, K]
     (each slot scored at its position; past a block's end, its last slot's feature stands for the
-    deeper slots), their weights # [..., M] and which of their slots were drafted # [..., M, K] bool.
+    deeper slots), their weights # [M] and which of their slots were drafted # [M, K] bool (a
+    prefix of each block). The planner keeps the sums (`SurvivalSums`); this is their meaning.
 
     A product-limit estimate: slot i survives slot i - 1 with the ratio, over the blocks that drafted
     slot i, of their weighted survival to slot i and to slot i - 1, so a block the stop rule ended
@@ -262,13 +309,9 @@ def block_survival(confidences: torch.Tensor, weights: torch.Tensor, drafted: to
     no block drafted slot i, all of them stand in, extended. With every block drafted to K it is
     the weighted mean of their survivals (a confidence is not linear in the feature: the survival
     of a mean feature would overstate it)."""
-    s = torch.cumprod(confidences, dim=-1)
-    before = torch.cat([torch.ones_like(s[..., :1]), s[..., :-1]], dim=-1)  # survival to slot i - 1
-    w = weights[..., None]  # [..., M, 1]
-    seen = drafted & (w > 0)
-    risk = torch.where(seen.any(dim=-2, keepdim=True), seen, torch.ones_like(seen)).to(s.dtype)
-    num, den = (w * risk * s).sum(-2), (w * risk * before).sum(-2)
-    return torch.cumprod(torch.where(den > 0, num / den.clamp(min=1e-300), torch.zeros_like(num)), dim=-1)
+    k = confidences.shape[-1]
+    sums = SurvivalSums.of(confidences.tolist(), drafted.sum(-1).tolist(), weights.tolist(), k)
+    return torch.tensor(sums.survival(), dtype=torch.float64)
 
 
 @dataclass(slots=True)
@@ -436,6 +479,9 @@ class AdaptivePlanner:
         self.probe_budget = 0.0  # seconds of compute probes may still spend (probe_share of measured steps)
         self.check = FirstSlotCheck(config.check_halflife)  # the draft rule's slot 1, predicted against drafted
         self._control = False  # this step is a control step (the whole batch target-only)
+        self._scored: dict[tuple[float, ...], list[float]] = {}  # blocks' confidences (_block_confidences)
+        self._scored_version = scorer.version
+        self._population_cache: dict[str, tuple[list[list[float]], int, SurvivalSums]] = {}  # _population_sums
 
     # ---- the price of compute -------------------------------------------------------
 
@@ -565,7 +611,7 @@ class AdaptivePlanner:
         catch-up and its whole block drafted and verified). Optimism bounds what learning can buy:
         where even a perfect drafter would not repay the block that teaches the population, nothing
         is drafted, and the bound is checked again every step, by the cost model of that step."""
-        perfect = torch.arange(1, self.num_slots + 1, dtype=torch.float64)[None]  # accepted tokens of blocks 1..K
+        perfect = [list(range(1, self.num_slots + 1))]  # accepted tokens of blocks 1..K
         return self._drafting_repays(perfect, shape, remaining, pending, rate, draft_row, whole_block=True)
 
     def _entry_pays(self, request: Request, shape: RequestShape, pending: int, rate: float,
@@ -584,24 +630,27 @@ class AdaptivePlanner:
         block, one request whose drafts failed refused the next ones whose drafts would have paid)."""
         if not self._history(request).samples.blocks:
             return self._traffic_repays(request, shape, pending, rate, draft_row)
-        expected = self._predicted_blocks(*self._history_samples([request]))
+        expected = self._predicted_blocks([request])
         return self._drafting_repays(expected, shape, request.remaining, pending, rate, draft_row)
 
     def _traffic_repays(self, request: Request, shape: RequestShape, pending: int, rate: float,
                         draft_row: float) -> bool:
         """Whether drafting would repay the request's catch-up were it like the traffic's recent
         requests (the population, as `_entry_pays` values a new request)."""
-        expected = self._predicted_blocks(*self.population.samples(self.num_slots))
+        expected = self._blocks([sums.survival() for sums in self._population_sums().values()])
         return self._drafting_repays(expected, shape, request.remaining, pending, rate, draft_row)
 
-    def _drafting_repays(self, expected: torch.Tensor, shape: RequestShape, remaining: int, pending: int,
+    def _drafting_repays(self, expected: Sequence[Sequence[float]], shape: RequestShape, remaining: int, pending: int,
                          rate: float, draft_row: float, whole_block: bool = False) -> bool:
         """Whether drafting the best block beats `rate` by more over `remaining` tokens than the
         request's catch-up costs (and, with whole_block, its whole block drafted and verified once),
         and the drafter's setup where it has not drafted yet (its deferred load: drafting/deferred.py);
         blocks priced as if nothing else drafted in their steps, after `pending` tokens. expected:
-        # [R, K] accepted tokens of blocks of 1..K slots, one row per outcome the request may turn
+        # [R][K] accepted tokens of blocks of 1..K slots, one row per outcome the request may turn
         out like, equally likely; each outcome gains nothing where no block pays (drafting stops)."""
+        if not expected:
+            return False
+        expected = torch.tensor(expected, dtype=torch.float64)  # [R, K]
         block_seconds = torch.tensor(self._block_seconds(pending, draft_row, [shape.slot_attended])[0],
                                      dtype=torch.float64) + self.cost.drafting_premium(pending)
         values, best = (expected - rate * block_seconds).max(dim=1)  # [R]: each outcome's best block
@@ -645,10 +694,10 @@ class AdaptivePlanner:
         price = prices.price
         verify_tokens = sum(s.pending for s in shapes) + len(forced)
         slot_attended = [shapes[i].slot_attended for i in candidates]
-        survival = self._predicted_survival(*self._history_samples([requests[i] for i in candidates]))
-        for i, s in zip(candidates, survival[:, 0].tolist()):
-            self._history(requests[i]).first_predicted = s
-        expected = self._blocks(survival).tolist()
+        survival = self._predicted_survival([requests[i] for i in candidates])
+        for i, s in zip(candidates, survival):
+            self._history(requests[i]).first_predicted = s[0]
+        expected = self._blocks(survival)
         waits = [self._wait_value(requests[i]) for i in candidates]
         # nothing forced: the first candidate makes this a drafting step, whose verify costs more; the
         # premium is measured on decoding steps (a prefill teaches neither kind of verify), so it is
@@ -699,46 +748,63 @@ class AdaptivePlanner:
         seconds = self._block_seconds(verify_tokens, draft_row, slot_attended)  # [A][K]
         return [max(e - price * (s - row[0]) for e, s in zip(tokens, row)) for tokens, row in zip(expected, seconds)]
 
-    def _history_samples(self, requests: Sequence[Request]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Each request's samples of its next block: features # [A, M, K] (past a block's end, its
-        last slot's), weights # [A, M] (zero weights pad) and which slots were drafted # [A, M, K]:
-        its own recent blocks, and the population's, which together weigh _PRIOR_BLOCKS of its own,
-        so one odd block does not stop a request."""
-        k = self.num_slots
-        prior_features, prior_weights, prior_drafted = self.population.samples(k)  # every request's weighing 1
-        prior_weights = prior_weights.reshape(-1) * (_PRIOR_BLOCKS / max(len(self.population.requests), 1))
-        own = [self._history(r).samples for r in requests]
-        m = max((len(s.blocks) for s in own), default=0)
-        width = max(m + len(prior_weights), 1)
-        features = torch.zeros(len(own), width, k, dtype=torch.float64)
-        weights = torch.zeros(len(own), width, dtype=torch.float64)
-        drafted = torch.zeros(len(own), width, k, dtype=torch.bool)
-        features[:, m:], drafted[:, m:] = prior_features.reshape(-1, k), prior_drafted.reshape(-1, k)
-        weights[:, m:] = prior_weights
-        for a, samples in enumerate(own):
-            if samples.blocks:
-                n = len(samples.blocks)
-                features[a, :n], drafted[a, :n] = block_features(samples.blocks, k)
-                weights[a, :n] = torch.tensor(samples.weights, dtype=torch.float64)
-        return features, weights, drafted
+    def _predicted_blocks(self, requests: Sequence[Request]) -> list[list[float]]:
+        """Expected accepted tokens of drafting slots 1..n, n = 1..K, per request # [A][K], from its
+        predicted survival (`_predicted_survival`), scaled by the first-slot check. The stop rule
+        predicts from one feature per request, standing for all deeper slots (_SurvivalStop)."""
+        return self._blocks(self._predicted_survival(requests))
 
-    def _predicted_blocks(self, samples: torch.Tensor, weights: torch.Tensor, drafted: torch.Tensor) -> torch.Tensor:
-        """Expected accepted tokens of drafting slots 1..n, n = 1..K, per request # [A, K], from
-        samples of its next block (_history_samples) by `block_survival`, scaled by the first-slot
-        check. The stop rule predicts from one feature per request, standing for all deeper slots,
-        on plain numbers (_SurvivalStop)."""
-        return self._blocks(self._predicted_survival(samples, weights, drafted))
+    def _predicted_survival(self, requests: Sequence[Request]) -> list[list[float]]:
+        """Survival of slots 1..K per request # [A][K] as past blocks predict it (unscaled, by
+        `block_survival`): its own recent blocks, and the population's, which together weigh
+        _PRIOR_BLOCKS of its own, so one odd block does not stop a request."""
+        population = self._population_sums()
+        prior = SurvivalSums.zero(self.num_slots)
+        for sums in population.values():  # every request's weighing 1
+            prior = prior.plus(sums)
+        scale = _PRIOR_BLOCKS / max(len(population), 1)
+        predicted = []
+        for request in requests:
+            own = self._history(request).samples
+            sums = SurvivalSums.of(self._block_confidences(own.blocks), [len(b) for b in own.blocks],
+                                   own.weights, self.num_slots)
+            predicted.append(sums.plus(prior, scale).survival())
+        return predicted
 
-    def _predicted_survival(self, samples: torch.Tensor, weights: torch.Tensor, drafted: torch.Tensor) -> torch.Tensor:
-        """Survival of slots 1..K per request # [A, K] as its past blocks predict it (unscaled)."""
-        a, m, k = samples.shape
-        confidences = torch.nan_to_num(self.scorer.score(samples.reshape(-1, k)), nan=0.0).reshape(a, m, k)
-        return block_survival(confidences, weights, drafted)
+    def _population_sums(self) -> dict[str, SurvivalSums]:
+        """Each of the population's requests' blocks as `SurvivalSums`, each request weighing 1;
+        summed again only where its blocks or the scorer changed."""
+        version = self.scorer.version
+        kept = {}
+        for request_id, blocks in self.population.requests.items():
+            cached = self._population_cache.get(request_id)
+            if cached is None or cached[0] is not blocks or cached[1] != version:
+                sums = SurvivalSums.of(self._block_confidences(blocks), [len(b) for b in blocks],
+                                       [1.0 / len(blocks)] * len(blocks), self.num_slots)
+                cached = (blocks, version, sums)
+            kept[request_id] = cached
+        self._population_cache = kept
+        return {request_id: sums for request_id, (_, _, sums) in kept.items()}
 
-    def _blocks(self, survival: torch.Tensor) -> torch.Tensor:
-        """Expected accepted tokens of blocks of 1..K slots # [A, K] from predicted survival # [A, K],
+    def _block_confidences(self, blocks: Sequence[Sequence[float]]) -> list[list[float]]:
+        """Each block's confidences # [M][K], scored at their positions (past a block's end, its last
+        slot's feature), as the scorer scores them now: kept by the block's features until the
+        scorer's `version` changes, so a block is scored once, not every step it predicts."""
+        if self._scored_version != self.scorer.version or len(self._scored) > _SCORED_BLOCKS:
+            self._scored, self._scored_version = {}, self.scorer.version
+        keys = [tuple(b) for b in blocks]
+        missing = [key for key in dict.fromkeys(keys) if key not in self._scored]
+        if missing:
+            features, _ = block_features(missing, self.num_slots)
+            scored = torch.nan_to_num(self.scorer.score(features), nan=0.0).tolist()
+            self._scored.update(zip(missing, scored))
+        return [self._scored[key] for key in keys]
+
+    def _blocks(self, survival: Sequence[Sequence[float]]) -> list[list[float]]:
+        """Expected accepted tokens of blocks of 1..K slots # [A][K] from predicted survival # [A][K],
         scaled by what predictions of slot 1 have turned out to be (`FirstSlotCheck`)."""
-        return torch.cumsum((survival * self.check.ratio).clamp(max=1.0), dim=1)
+        ratio = self.check.ratio
+        return [list(itertools.accumulate(min(s * ratio, 1.0) for s in row)) for row in survival]
 
     def _block_seconds(self, verify_tokens: int, draft_row: float, slot_attended: Sequence[int]) -> list[list[float]]:
         """Seconds that drafting and verifying 1..K slots add to the step, per request # [A][K]
