@@ -481,7 +481,7 @@ class AdaptivePlanner:
         self._control = False  # this step is a control step (the whole batch target-only)
         self._scored: dict[tuple[float, ...], list[float]] = {}  # blocks' confidences (_block_confidences)
         self._scored_version = scorer.version
-        self._population_cache: dict[str, tuple[list[list[float]], int, SurvivalSums]] = {}  # _population_sums
+        self._population_cache: dict[str, tuple[list[list[float]], SurvivalSums]] = {}  # _population_sums
 
     # ---- the price of compute -------------------------------------------------------
 
@@ -763,35 +763,31 @@ class AdaptivePlanner:
         for sums in population.values():  # every request's weighing 1
             prior = prior.plus(sums)
         scale = _PRIOR_BLOCKS / max(len(population), 1)
-        predicted = []
-        for request in requests:
-            own = self._history(request).samples
-            sums = SurvivalSums.of(self._block_confidences(own.blocks), [len(b) for b in own.blocks],
-                                   own.weights, self.num_slots)
-            predicted.append(sums.plus(prior, scale).survival())
-        return predicted
+        own = [self._history(request).samples for request in requests]
+        return [self._sums(samples.blocks, samples.weights).plus(prior, scale).survival() for samples in own]
 
     def _population_sums(self) -> dict[str, SurvivalSums]:
         """Each of the population's requests' blocks as `SurvivalSums`, each request weighing 1;
-        summed again only where its blocks or the scorer changed."""
-        version = self.scorer.version
+        summed again only where its blocks (or the scorer: `_forget_rescored`) changed."""
+        self._forget_rescored()
         kept = {}
         for request_id, blocks in self.population.requests.items():
             cached = self._population_cache.get(request_id)
-            if cached is None or cached[0] is not blocks or cached[1] != version:
-                sums = SurvivalSums.of(self._block_confidences(blocks), [len(b) for b in blocks],
-                                       [1.0 / len(blocks)] * len(blocks), self.num_slots)
-                cached = (blocks, version, sums)
-            kept[request_id] = cached
+            kept[request_id] = cached if cached is not None and cached[0] is blocks else \
+                (blocks, self._sums(blocks, [1.0 / len(blocks)] * len(blocks)))
         self._population_cache = kept
-        return {request_id: sums for request_id, (_, _, sums) in kept.items()}
+        return {request_id: sums for request_id, (_, sums) in kept.items()}
+
+    def _sums(self, blocks: Sequence[Sequence[float]], weights: Sequence[float]) -> SurvivalSums:
+        return SurvivalSums.of(self._block_confidences(blocks), [len(b) for b in blocks], weights, self.num_slots)
 
     def _block_confidences(self, blocks: Sequence[Sequence[float]]) -> list[list[float]]:
         """Each block's confidences # [M][K], scored at their positions (past a block's end, its last
         slot's feature), as the scorer scores them now: kept by the block's features until the
         scorer's `version` changes, so a block is scored once, not every step it predicts."""
-        if self._scored_version != self.scorer.version or len(self._scored) > _SCORED_BLOCKS:
-            self._scored, self._scored_version = {}, self.scorer.version
+        self._forget_rescored()
+        if len(self._scored) > _SCORED_BLOCKS:
+            self._scored = {}
         keys = [tuple(b) for b in blocks]
         missing = [key for key in dict.fromkeys(keys) if key not in self._scored]
         if missing:
@@ -799,6 +795,11 @@ class AdaptivePlanner:
             scored = torch.nan_to_num(self.scorer.score(features), nan=0.0).tolist()
             self._scored.update(zip(missing, scored))
         return [self._scored[key] for key in keys]
+
+    def _forget_rescored(self) -> None:
+        """Drop what was computed from the scorer's confidences once its `version` has changed."""
+        if self._scored_version != self.scorer.version:
+            self._scored, self._population_cache, self._scored_version = {}, {}, self.scorer.version
 
     def _blocks(self, survival: Sequence[Sequence[float]]) -> list[list[float]]:
         """Expected accepted tokens of blocks of 1..K slots # [A][K] from predicted survival # [A][K],
