@@ -185,7 +185,7 @@ def test_kquant_arithmetic_is_exact_on_quantised_activations(native_ops, kquant_
     """The kernel's only approximation is the int8 activation: with x replaced by its int8
     reconstruction, y equals the float64 product with the exactly dequantised weight (to float32
     accumulation). A wrong nibble, bit pair or scale index would be off by percents. Row counts
-    cover one tile, a tile and a remainder, and several tiles of either variant (4 or 8 rows);
+    cover one tile, a tile and a remainder, and several tiles of either variant (AVX2: up to 8 rows of Q4_K, 6 of Q6_K; AVX-512: 8);
     K = 4608 (18 blocks) runs in segments of K at 5 and 16 rows under the schedules that have them."""
     weight = random_weight(qtype, n=40, k=k, seed=rows)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)) * 3
@@ -213,7 +213,7 @@ def test_kquant_rows_are_batch_invariant(native_ops, qtype, k):
         alone = torch.cat([packed.matmul(x[i:i + 1]) for i in range(19)])
         for schedule in SCHEDULES:
             native_ops.set_schedule(schedule)
-            for rows in (2, 4, 5, 8, 9, 16, 19):
+            for rows in (2, 3, 4, 5, 6, 7, 8, 9, 16, 19):  # every tile size of either variant and type
                 assert torch.equal(packed.matmul(x[:rows]), alone[:rows]), (schedule, rows)
     finally:
         native_ops.set_schedule(saved)

@@ -16,8 +16,8 @@
 // 2 * 15 * 127 and Q6_K 2 * 63 * 127 = 16002 < 32767, so nothing saturates; the int32 sums per
 // 256-block stay below 2^26 and are converted to float once per block (exact below 2^24 per lane).
 //
-// Multi-row: each weight block is decoded once per tile of activation rows (up to kTile rows held
-// in registers: 4 with AVX2, 8 with AVX-512's 32 registers) and applied to every row of the tile,
+// Multi-row: each weight block is decoded once per tile of activation rows (up to kTileQ4K /
+// kTileQ6K rows, their sums held in registers: AVX2 8 / 6, AVX-512 8 / 8) and applied to every row of the tile,
 // so verifying K + 1 rows reads the weights once and decodes them once per tile (kquant_avx2.h,
 // kquant_avx512.h: the tile kernels of each instruction set). The schedule (which loop is outer,
 // tiles or weight rows; whether long rows, K = 8960 at 5 rows and more, go in segments of K so a
@@ -69,7 +69,7 @@ struct ActView {
   const float *dx, *xs32;
   const int16_t* xs16;
   int64_t nb, kp;
-  int64_t prefetch;  // bytes ahead of the decoded weight block to prefetch, 0 for none
+  int64_t prefetch;  // bytes ahead of the decoded weight block to prefetch, 0 for none (prefetch_weights)
 };
 
 // Shared by every variant's row kernels (included below).
@@ -87,13 +87,14 @@ inline void unpack_q4k_scales(const uint8_t* packed, uint32_t u[4]) {
 }
 
 // With the schedule's kSchedulePrefetch, a call of several rows asks for the weight bytes
-// a.prefetch ahead of the block it decodes (the next blocks of the row, then the next rows): with
-// a long K, each weight row also streams its tile's activations in from the L2 cache, and on a
-// Zen 4 EPYC the hardware prefetchers then fell behind the weights (K = 8960 at 2 to 16 rows took
-// 14-40% less time with this, docs/quantized.md; one row, where they keep up, 7-15% more).
-inline void prefetch_weights(const ActView& a, const uint8_t* block, int64_t bytes) {
-  if (a.prefetch > 0) {
-    for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(block) + a.prefetch + o, _MM_HINT_T0);
+// `distance` (ActView::prefetch) ahead of the block it decodes (the next blocks of the row, then
+// the next rows): with a long K, each weight row also streams its tile's activations in from the
+// L2 cache, and on a Zen 4 EPYC the hardware prefetchers then fell behind the weights (K = 8960 at
+// 2 to 16 rows took 14-40% less time with this, docs/quantized.md; one row, where they keep up,
+// 7-15% more, and on a Zen 3 EPYC within 3% either way).
+inline void prefetch_weights(int64_t distance, const uint8_t* block, int64_t bytes) {
+  if (distance > 0) {
+    for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(block) + distance + o, _MM_HINT_T0);
   }
 }
 
@@ -250,7 +251,7 @@ std::vector<at::Tensor> kq_matmul(const at::Tensor& x, at::TensorList weights, a
   // between segments. Each row's blocks are summed in the same order whatever the order, segments
   // and tiles, so the results depend on none of them (nor on the row count).
   const bool tile_outer = schedule & kScheduleTileOuter, segment_k = schedule & kScheduleSegmentK;
-  const int64_t tile_rows = std::min<int64_t>(rows, kTile);
+  const int64_t tile_rows = std::min<int64_t>(rows, std::max(kTileQ4K, kTileQ6K));
   const int64_t seg = segment_k && tile_rows * a.kp > 16384 ? std::max<int64_t>(1, 16384 / (tile_rows * kBlock)) : nb;
   const int64_t* qt = qtypes.data();
   parallel_runs(static_cast<int64_t>(chunks.size()), [&](int64_t begin, int64_t end) {
@@ -260,21 +261,31 @@ std::vector<at::Tensor> kq_matmul(const at::Tensor& x, at::TensorList weights, a
       const int64_t n = ns[i];
       for (int64_t b0 = 0; b0 < nb; b0 += seg) {
         const int64_t b1 = std::min(nb, b0 + seg);
-        auto one = [&](auto r, int64_t r0, int64_t f) {
-          constexpr int R = decltype(r)::value;
-          const uint8_t* wrow = wp[i] + f * row_bytes[i];
-          float* st = state.data() + ((f - first_feature) * rows + r0) * 8;
-          float* out = yp[i] + r0 * n + f;
-          const float bias = bp[i] ? bp[i][f] : 0.0f;
-          if (qt[i] == kQ4K) q4k_tile<R>(wrow, view, r0, b0, b1, st, out, n, bias, half[i]);
-          else q6k_tile<R>(wrow, view, r0, b0, b1, st, out, n, bias);
+        // Every tile of the chunk's weight rows f and the activation rows, in the schedule's order;
+        // tile(R, r0, f) runs weight row f against rows r0 .. r0 + R - 1, R up to max_tile.
+        auto tiles = [&](auto max_tile, const auto& tile) {
+          constexpr int M = decltype(max_tile)::value;
+          if (tile_outer) {
+            for_tiles<M>(rows, [&](auto r, int64_t r0) {
+              for (int64_t f = first_feature; f < last_feature; ++f) tile(r, r0, f);
+            });
+          } else {
+            for (int64_t f = first_feature; f < last_feature; ++f) for_tiles<M>(rows, [&](auto r, int64_t r0) { tile(r, r0, f); });
+          }
         };
-        if (tile_outer) {
-          for_tiles(rows, [&](auto r, int64_t r0) {
-            for (int64_t f = first_feature; f < last_feature; ++f) one(r, r0, f);
+        const uint8_t* w = wp[i];
+        const int64_t stride = row_bytes[i];
+        float* y = yp[i];
+        const float* bias = bp[i];
+        auto st = [&](int64_t r0, int64_t f) { return state.data() + ((f - first_feature) * rows + r0) * 8; };
+        if (qt[i] == kQ4K) {
+          tiles(std::integral_constant<int, kTileQ4K>{}, [&](auto r, int64_t r0, int64_t f) {
+            q4k_tile<decltype(r)::value>(w + f * stride, view, r0, b0, b1, st(r0, f), y + r0 * n + f, n, bias ? bias[f] : 0.0f, half[i]);
           });
         } else {
-          for (int64_t f = first_feature; f < last_feature; ++f) for_tiles(rows, [&](auto r, int64_t r0) { one(r, r0, f); });
+          tiles(std::integral_constant<int, kTileQ6K>{}, [&](auto r, int64_t r0, int64_t f) {
+            q6k_tile<decltype(r)::value>(w + f * stride, view, r0, b0, b1, st(r0, f), y + r0 * n + f, n, bias ? bias[f] : 0.0f);
+          });
         }
       }
     }

@@ -17,7 +17,7 @@
 
 namespace {
 
-constexpr int kTile = 8;
+constexpr int kTileQ4K = 8, kTileQ6K = 8;
 // The schedule this variant starts from (kquant.cpp; schedule.py measures which runs fastest on
 // the machine at hand): each tile passes over every weight row of a chunk, long K in segments,
 // measured 10-25% faster at 5 and 16 rows than the AVX2 variant's order on the Zen 5 EPYC above
@@ -65,7 +65,7 @@ void q4k_tile(const uint8_t* w, const ActView& a, int64_t r0, int64_t b0, int64_
   auto block = [&](auto parts, int64_t b) __attribute__((always_inline)) {
     constexpr int C = decltype(parts)::value;
     const uint8_t* blk = w + b * 144;
-    prefetch_weights(a, blk, 16 + 32 * C);
+    prefetch_weights(a.prefetch, blk, 16 + 32 * C);
     const float d = f16_to_f32(blk), dmin = f16_to_f32(blk + 2);
     uint32_t u[4];
     unpack_q4k_scales(blk + 4, u);
@@ -109,7 +109,7 @@ void q6k_tile(const uint8_t* w, const ActView& a, int64_t r0, int64_t b0, int64_
   for (int r = 0; r < R; ++r) acc[r] = b0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(state + 8 * r);
   for (int64_t b = b0; b < b1; ++b) {
     const uint8_t* ql = w + b * 210;
-    prefetch_weights(a, ql, 210);
+    prefetch_weights(a.prefetch, ql, 210);
     const uint8_t* qh = ql + 128;
     const float d = f16_to_f32(ql + 208);
     // The 16 scales as int16 words: 0-7 in both lanes of halves[0], 8-15 in both lanes of halves[1].
@@ -143,8 +143,8 @@ void q6k_tile(const uint8_t* w, const ActView& a, int64_t r0, int64_t b0, int64_
   finish(acc, b1 == a.nb, state, out, ldo, bias);
 }
 
-// Calls fn(std::integral_constant<int, R>{}, r0) for every tile of up to kTile rows of `rows`.
-template <int R = kTile, typename Fn>
+// Calls fn(std::integral_constant<int, R>{}, r0) for every tile of up to R rows of `rows`.
+template <int R, typename Fn>
 void for_tiles(int64_t rows, const Fn& fn) {
   int64_t r0 = 0;
   for (; r0 + R <= rows; r0 += R) fn(std::integral_constant<int, R>{}, r0);
