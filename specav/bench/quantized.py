@@ -14,7 +14,11 @@ rounds. Printed:
   decode tokens/s (one over the median time per token); the speed-up over bf16;
 - for each dtype against bf16's greedy output: the identical prefix of the free-running
   output, the argmax agreement when fed bf16's tokens (teacher forcing) and the mean
-  KL(bf16 || dtype) there;
+  KL(bf16 || dtype) there; then the same teacher-forced figures with the dtype's input
+  embeddings multiplied by 1 + 1e-6 noise, --perturbations times (their range): the noise floor of
+  the figures above. A change far below the kernels' own error (another order of float operations,
+  another kernel plan) moves them within that range, because rounding an activation to int8
+  turns a last-bit difference into a whole step now and then, and 28 layers carry it on;
 - for auto, the kernel times it measured and the kernel each layer shape runs per row count;
 - the memory of the packaged pair (target + drafter) in q4 and auto, each in a fresh process;
 - llama.cpp target-only greedy decoding of the same GGUF file and prompts, when
@@ -135,19 +139,46 @@ def time_forward(model, cache, new: list[int]) -> float:
     return seconds
 
 
-def forced_logits(checkpoint: Checkpoint, prompt: list[int], tokens: list[int]) -> torch.Tensor:
-    """Logits # [N, V] predicting each of `tokens` when fed prompt + tokens (teacher forcing)."""
+PERTURBATION = 1e-6  # relative noise on the input embeddings (agreement's noise floor)
+
+
+def forced_logits(checkpoint: Checkpoint, prompt: list[int], tokens: list[int],
+                  perturbation_seed: int | None = None) -> torch.Tensor:
+    """Logits # [N, V] predicting each of `tokens` when fed prompt + tokens (teacher forcing); with
+    a seed, the input embeddings multiplied by 1 + PERTURBATION * standard normal noise."""
     model = checkpoint.model
-    return model.forward([prompt + tokens[:-1]], [model.new_cache()], [len(tokens)]).logits
+    handle = None
+    if perturbation_seed is not None:
+        gen = torch.Generator().manual_seed(perturbation_seed)
+        handle = model.hf_model.get_input_embeddings().register_forward_hook(
+            lambda module, args, out: out * (1 + PERTURBATION * torch.randn(out.shape, generator=gen)))
+    try:
+        return model.forward([prompt + tokens[:-1]], [model.new_cache()], [len(tokens)]).logits
+    finally:
+        if handle is not None:
+            handle.remove()
 
 
-def agreement(reference: list[int], ours: list[int], ref_logits: torch.Tensor, our_logits: torch.Tensor) -> str:
-    n = len(reference)
-    prefix = next((i for i, (a, b) in enumerate(zip(reference, ours)) if a != b), n)
+def forced_agreement(reference: list[int], ref_logits: torch.Tensor, our_logits: torch.Tensor) -> tuple[int, float]:
+    """Teacher-forced argmax agreement with `reference` and the mean KL(reference logits || ours)."""
     forced = int((our_logits.argmax(-1) == torch.tensor(reference)).sum())
     kl = torch.nn.functional.kl_div(our_logits.log_softmax(-1), ref_logits.log_softmax(-1),
                                     log_target=True, reduction="batchmean").item()
-    return f"identical prefix {prefix:>3}/{n}, teacher-forced argmax {forced:>3}/{n}, KL {kl:.4f}"
+    return forced, kl
+
+
+def agreement(reference: list[int], ours: list[int], ref_logits: torch.Tensor, our_logits: torch.Tensor,
+              perturbed: list[torch.Tensor] = ()) -> str:
+    n = len(reference)
+    prefix = next((i for i, (a, b) in enumerate(zip(reference, ours)) if a != b), n)
+    forced, kl = forced_agreement(reference, ref_logits, our_logits)
+    line = f"identical prefix {prefix:>3}/{n}, teacher-forced argmax {forced:>3}/{n}, KL {kl:.4f}"
+    if perturbed:
+        figures = [forced_agreement(reference, ref_logits, p) for p in perturbed]
+        argmaxes, kls = [f for f, _ in figures], [k for _, k in figures]
+        line += (f"; perturbed x {len(perturbed)}: argmax {min(argmaxes)}-{max(argmaxes)}/{n}, "
+                 f"KL {min(kls):.4f}-{max(kls):.4f} (mean {statistics.mean(kls):.4f})")
+    return line
 
 
 def load_all(dtypes: list[str], threads: int, with_llama_cpp: bool) -> tuple[dict, dict[str, Result], str]:
@@ -214,8 +245,10 @@ def measure_speculative(models: dict, prompts: list[list[int]], tokens: int, ks:
     return runs
 
 
-def agreements(models: dict, results: dict[str, Result], prompts: list[list[int]]) -> dict[str, list[str]]:
-    """Each dtype against bf16's greedy output (free-running and teacher-forced)."""
+def agreements(models: dict, results: dict[str, Result], prompts: list[list[int]],
+               perturbations: int = 0) -> dict[str, list[str]]:
+    """Each dtype against bf16's greedy output (free-running and teacher-forced; teacher-forced
+    again under `perturbations` seeds of input noise)."""
     if "bf16" not in models:
         return {}
     reference = [d.tokens for d in results["bf16"].decoded]
@@ -223,8 +256,9 @@ def agreements(models: dict, results: dict[str, Result], prompts: list[list[int]
     lines = {}
     for name, model in models.items():
         if name != "bf16" and isinstance(model, Checkpoint):
-            lines[name] = [agreement(r, d.tokens, rl, forced_logits(model, p, r)) for p, r, rl, d in
-                           zip(prompts, reference, ref_logits, results[name].decoded)]
+            lines[name] = [agreement(r, d.tokens, rl, forced_logits(model, p, r),
+                                     [forced_logits(model, p, r, seed) for seed in range(perturbations)])
+                           for p, r, rl, d in zip(prompts, reference, ref_logits, results[name].decoded)]
     return lines
 
 
@@ -267,6 +301,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--tokens", type=int, default=48, help="greedy tokens per prompt")
     parser.add_argument("--prompts", type=int, default=1, help="prompts per workload (code, prose)")
     parser.add_argument("--repeats", type=int, default=5, help="rounds of forward timings (median)")
+    parser.add_argument("--perturbations", type=int, default=4, help="teacher-forced agreement again under this "
+                        "many seeds of 1e-6 relative noise on the input embeddings (the figures' noise floor)")
     parser.add_argument("--threads", type=int, default=None, help="torch and llama.cpp threads (default: torch's)")
     parser.add_argument("--no-llama-cpp", action="store_true", help="skip the llama.cpp peer")
     parser.add_argument("--no-llama-cpp-tools", action="store_true", help="skip llama.cpp's own tools "
@@ -300,7 +336,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"packaged target, {threads} threads, torch {torch.__version__}, {len(prompts)} prompts "
           f"({', '.join(WORKLOADS)}) x {args.tokens} greedy tokens; forwards on a {CONTEXT}-token context")
     _print_table(results)
-    for name, lines in agreements(models, results, prompts).items():
+    for name, lines in agreements(models, results, prompts, args.perturbations).items():
         for i, line in enumerate(lines):
             print(f"  {name} vs bf16, prompt {i} ({WORKLOADS[i // args.prompts]}): {line}")
     _print_llama_cpp(results, llama_note, args.tokens)
