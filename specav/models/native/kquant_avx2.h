@@ -7,7 +7,8 @@ namespace {
 // Activation rows per pass over a weight row: each row's integer sum of the block stays in a
 // register (its float sum waits in memory between blocks), beside the weight's decoded codes and
 // scales; past these counts (Q6_K decodes four code vectors at once) the compiler spilled the sums,
-// and a tile of 8 Q6_K rows ran slower than 6 + 2 on the Zen 3 EPYC (docs/quantized.md).
+// and a tile of 8 Q6_K rows ran slower than 6 + 2 on the Zen 3 EPYC (docs/quantized.md, "The AVX2
+// tiles").
 constexpr int kTileQ4K = 8, kTileQ6K = 6;
 // The schedule this variant starts from (kquant.cpp; schedule.py measures which runs fastest on
 // the machine at hand): each weight row passes over every tile, K in one pass, measured faster on
