@@ -48,6 +48,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -168,7 +169,7 @@ def forced_agreement(reference: list[int], ref_logits: torch.Tensor, our_logits:
 
 
 def agreement(reference: list[int], ours: list[int], ref_logits: torch.Tensor, our_logits: torch.Tensor,
-              perturbed: list[torch.Tensor] = ()) -> str:
+              perturbed: Sequence[torch.Tensor] = ()) -> str:
     n = len(reference)
     prefix = next((i for i, (a, b) in enumerate(zip(reference, ours)) if a != b), n)
     forced, kl = forced_agreement(reference, ref_logits, our_logits)
