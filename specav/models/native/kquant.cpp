@@ -17,8 +17,8 @@
 // 256-block stay below 2^26 and are converted to float once per block (exact below 2^24 per lane).
 //
 // Multi-row: each weight block is decoded once per tile of activation rows (up to kTileQ4K /
-// kTileQ6K rows, their sums held in registers: AVX2 8 / 6, AVX-512 8 / 8) and applied to every row of the tile,
-// so verifying K + 1 rows reads the weights once and decodes them once per tile (kquant_avx2.h,
+// kTileQ6K rows, their sums held in registers: AVX2 8 / 6, AVX-512 8 / 8) and applied to every
+// row of the tile, so verifying K + 1 rows reads the weights once and decodes them once per tile (kquant_avx2.h,
 // kquant_avx512.h: the tile kernels of each instruction set). The schedule (which loop is outer,
 // tiles or weight rows; whether long rows, K = 8960 at 5 rows and more, go in segments of K so a
 // tile's activations stay in the L1 cache; whether multi-row calls prefetch their weights) is
