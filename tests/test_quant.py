@@ -32,11 +32,12 @@ from specav.models import quant_formats
 from specav.models.quant_formats import GGUFWeight, dequantize, int4_groups, requantize_q4_k
 from specav.models.quant_gguf import read_header
 from specav.models.native.schedule import SCHEDULES
-from specav.models.quant_kernels import KERNELS, KQuantWeight, int8dyn_matmuls, int8dyn_rows, kquant_matmuls
+from specav.models.quant_kernels import (KERNELS, KQuantWeight, KQuantX8Weight, int8dyn_matmuls, int8dyn_rows,
+                                         kquant_matmuls)
 from tests.tiny_models import save_tiny_checkpoint
 
 T = gguf.GGMLQuantizationType
-TOLERANCE = {"int4": 0.01, "int8": 0.04, "int8dyn": 0.07, "kquant": 0.02}
+TOLERANCE = {"int4": 0.01, "int8": 0.04, "int8dyn": 0.07, "kquant": 0.02, "kquant_x8": 0.02}
 # Relative error of the logits of a tiny 2-layer model. Measured: q4 1.4%, auto 2.5-3%, a drafter in
 # auto 9.1-9.8% (its Q5_0 / Q8_0 layers requantised to 4 bits); the same weights run densely in
 # bf16: 0.6%; a wrong tensor mapping: ~100%.
@@ -138,7 +139,7 @@ def test_llama_rows_permute_whole_blocks():
 # ---------------------------------------------------------------- kernels, per layer
 
 KERNEL_CASES = [(k, q) for q in (T.Q4_K, T.Q5_0, T.Q6_K, T.Q8_0, T.Q4_0, T.Q4_1)
-                for k in KERNELS if KERNELS[k].supports(q)]
+                for k in KERNELS if KERNELS[k].fits(q, (96, 512))]  # random_weight's shape
 
 
 @pytest.mark.parametrize("kernel,qtype", KERNEL_CASES, ids=[f"{k}-{q.name}" for k, q in KERNEL_CASES])
@@ -260,6 +261,51 @@ def test_kquant_fused_call_equals_separate_calls(native_ops):
     fused = kquant_matmuls(x, weights, biases)
     for w, b, y in zip(weights, biases, fused):
         assert torch.equal(y, w.matmul(x, b))
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 16])
+def test_kquant_x8_arithmetic_is_exact_on_quantised_activations(native_ops, rows):
+    """The interleaved layout computes what kquant computes: with x replaced by its int8
+    reconstruction, y equals the float64 product with the exactly dequantised weight (to float32
+    accumulation), for every tile size of either variant and a remainder (AVX2 tiles of 2 rows,
+    AVX-512 of 4). A code, scale or min moved to another feature, block or sub-block in the repack
+    would be off by percents."""
+    weight = random_weight(T.Q4_K, n=48, k=768, seed=rows)
+    x = torch.randn(rows, 768, generator=torch.Generator().manual_seed(rows)) * 3
+    x[0, :256] *= 50  # one 256-block far larger: each block has its own activation scale
+    expected = int8_reconstruction(native_ops, x, 768) @ dequantize(weight).double().t()
+    bias = torch.randn(48, generator=torch.Generator().manual_seed(7))
+    packed = KQuantX8Weight.pack(weight, ops=native_ops)
+    y = packed.matmul(x)
+    error = ((y.double() - expected).norm() / expected.norm()).item()
+    assert error < 1e-5, error
+    assert torch.equal(packed.matmul(x, bias), y + bias)  # the bias, added once inside
+
+
+def test_kquant_x8_rows_are_batch_invariant_and_fused_calls_split(native_ops):
+    """Bit for bit: a row's output is the same alone or packed with others (every tile size and
+    remainder), and one call for several weights of one input, either layout mixed (q/k in
+    kquant_x8, v in kquant's Q6_K), gives each weight's own call."""
+    weights = [KQuantX8Weight.pack(random_weight(T.Q4_K, n=n, k=512, seed=n), ops=native_ops) for n in (64, 40)]
+    weights.append(KQuantWeight.pack(random_weight(T.Q6_K, n=24, k=512, seed=3), ops=native_ops))
+    biases = [torch.randn(w.shape[0], generator=torch.Generator().manual_seed(i)) for i, w in enumerate(weights)]
+    biases[1] = None
+    x = torch.randn(11, 512, generator=torch.Generator().manual_seed(0))
+    x[3] *= 100
+    alone = torch.cat([weights[0].matmul(x[i:i + 1]) for i in range(11)])
+    for rows in range(2, 12):
+        assert torch.equal(weights[0].matmul(x[:rows]), alone[:rows]), rows
+    assert KQuantX8Weight.family() is KQuantWeight.family()
+    for w, b, y in zip(weights, biases, KQuantX8Weight.matmuls(x, weights, biases)):
+        assert torch.equal(y, w.matmul(x, b))
+
+
+def test_kquant_x8_takes_only_what_it_can_lay_out():
+    assert KERNELS["kquant_x8"].fits(T.Q4_K, (8960, 1536)) == native.available()
+    assert not KERNELS["kquant_x8"].fits(T.Q4_K, (4864, 896))  # the drafter's padded K: kquant's half blocks
+    assert not KERNELS["kquant_x8"].fits(T.Q4_K, (12, 512)) and not KERNELS["kquant_x8"].fits(T.Q6_K, (64, 512))
+    with pytest.raises(ValueError, match="kquant_x8 cannot run"):
+        KQuantX8Weight.pack(random_weight(T.Q4_K, n=12, k=512))
 
 
 def test_kquant_runs_weights_padded_past_k(native_ops):
@@ -504,7 +550,7 @@ def test_measured_choice_is_cached_on_disk(tmp_path, monkeypatch):
     monkeypatch.setattr(choice, "measure", lambda candidates: pytest.fail("measured again despite the cache"))
     again = MeasuredChoice(path)
     assert again.plan(weight) == first
-    assert set(again.profile()["Q4_K 64x256"]) == {k for k in KERNELS if KERNELS[k].supports(T.Q4_K)}
+    assert set(again.profile()["Q4_K 64x256"]) == {k for k in KERNELS if KERNELS[k].fits(T.Q4_K, (64, 256))}
     assert machine_key() in path.read_text()
 
 
@@ -598,7 +644,8 @@ def transformers_logits(path, ids: list[int]) -> torch.Tensor:
 
 def fake_measure(candidates):
     """kquant or int4 fastest at 1 row (where they can run), int8dyn beyond: layers mix kernels by row count."""
-    fast = {"kquant": [0.5, 9, 9, 9], "int4": [1, 9, 9, 9], "int8": [2, 9, 9, 9], "int8dyn": [9, 1, 1, 1]}
+    fast = {"kquant": [0.5, 9, 9, 9], "int4": [1, 9, 9, 9], "int8": [2, 9, 9, 9], "int8dyn": [9, 1, 1, 1],
+            "kquant_x8": [3, 2, 2, 2]}
     return {k: [float(t) for t in fast[k]] for k in candidates}
 
 
@@ -810,7 +857,7 @@ def test_packaged_tensors_of_every_type_match_their_dequantisation():
     for qtype, weight in seen.items():
         rows = x[:, :weight.shape[1]]  # [4, K]
         reference = rows @ dequantize(weight).t()
-        for kernel in (k for k in KERNELS if KERNELS[k].supports(qtype)):
+        for kernel in (k for k in KERNELS if KERNELS[k].fits(qtype, weight.shape)):
             y = KERNELS[kernel].pack(weight).matmul(rows)
             error = ((y - reference).norm() / reference.norm()).item()
             print(f"{kernel:8s} {weight.name:24s} {qtype.name:5s} relative error {error:.4f}")

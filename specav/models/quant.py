@@ -53,8 +53,7 @@ from specav.models.packed import PackedCausalLM
 from specav.models.quant_choice import POLICIES, KernelPlan, MeasuredChoice, Policy, policy_for, shape_key
 from specav.models.quant_formats import GGUFWeight, dequantize
 from specav.models.quant_gguf import GGUFHeader, QuantizedGGUFError, read_header
-from specav.models.quant_kernels import (KERNELS, Int8DynamicWeight, KQuantWeight, PackedWeight, int8dyn_matmuls,
-                                         kquant_matmuls)
+from specav.models.quant_kernels import KERNELS, KQuantWeight, PackedWeight
 from specav.models.threads import ThreadChoice
 
 QUANTIZED_DTYPES = tuple(POLICIES)  # ("q4", "auto")
@@ -112,10 +111,11 @@ class QuantizedLinear(nn.Module):
 
 
 class FusedLinear(nn.Module):
-    """Several QuantizedLinears of one input (q/k/v, gate/up) in one native call where every one of
-    them runs kquant at that row count (one activation quantisation, one pass of the threads), with
-    the input's rows scaled once where every one runs int8dyn, else one call each. Holds no weights
-    of its own: the members stay the model's submodules."""
+    """Several QuantizedLinears of one input (q/k/v, gate/up) in their kernels' call for several
+    weights where every one of them runs a kernel of one family at that row count (kquant and
+    kquant_x8: one native call, one activation quantisation, one pass of the threads; int8dyn: the
+    input's rows scaled once), else one call each. Holds no weights of its own: the members stay
+    the model's submodules."""
 
     def __init__(self, members: list[QuantizedLinear]) -> None:
         super().__init__()
@@ -124,10 +124,9 @@ class FusedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
         """x # [T, in_features] float32 -> one # [T, out_features_i] per member."""
         packed = [m.packed_for(x.shape[0]) for m in self._members]
-        if all(isinstance(p, KQuantWeight) for p in packed):
-            return kquant_matmuls(x, packed, [m.bias for m in self._members])
-        if all(isinstance(p, Int8DynamicWeight) for p in packed):  # one scaling of x's rows for all of them
-            return int8dyn_matmuls(x, packed, [m.bias for m in self._members])
+        family = type(packed[0]).family()
+        if all(type(p).family() is family for p in packed):  # the family's call for several weights
+            return family.matmuls(x, packed, [m.bias for m in self._members])
         return [m(x) for m in self._members]
 
 
@@ -157,7 +156,7 @@ class KQuantLayer:
             n = 7 if all(kquant) else 4 if all(kquant[:4]) else 0
             post, after = self._layer.post_attention_layernorm, self._next_norm
             self._by_rows[num_rows] = WholeLayerCall(
-                [p.blocks for p in packed[:n]], [int(p.qtype) for p in packed[:n]],
+                [p.blocks for p in packed[:n]], [p.native_type for p in packed[:n]],
                 [m.bias for m in self._linears[:n]], post.weight, post.variance_epsilon, after.weight,
                 after.variance_epsilon, self._index, self._layer.self_attn.scaling, mlp=n == 7) if n else None
         return self._by_rows[num_rows]

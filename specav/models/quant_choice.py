@@ -200,11 +200,14 @@ class MeasuredChoice:
 
     def _measured(self, key: str, qtype: gguf.GGMLQuantizationType) -> bool:
         times = self._times.get(key, {})
-        return all(k in times for k in self.candidates if KERNELS[k].supports(qtype))
+        return all(k in times for k in self._usable(qtype, shape_of(key)))
+
+    def _usable(self, qtype: gguf.GGMLQuantizationType, shape: tuple[int, int]) -> list[str]:
+        return [k for k in self.candidates if KERNELS[k].fits(qtype, shape)]
 
     def times(self, weight: GGUFWeight) -> dict[str, list[float]]:
         key = profile_key(weight)
-        usable = [k for k in self.candidates if KERNELS[k].supports(weight.qtype)]
+        usable = self._usable(weight.qtype, weight.shape)
         times = self._times.get(key, {})
         if not self._measured(key, weight.qtype):
             times = measure({k: KERNELS[k].pack(weight) for k in usable})
@@ -267,6 +270,12 @@ def profile_key(weight: GGUFWeight) -> str:
 def shape_key(qtype: gguf.GGMLQuantizationType, shape: tuple[int, int]) -> str:
     """The profile's key of a weight of type `qtype` and (N, K) `shape`: "Q4_K 8960x1536"."""
     return f"{qtype.name} {shape[0]}x{shape[1]}"
+
+
+def shape_of(key: str) -> tuple[int, int]:
+    """(N, K) of a profile key ("Q4_K 8960x1536" -> (8960, 1536))."""
+    n, k = key.split()[-1].split("x")
+    return int(n), int(k)
 
 
 def machine_key() -> str:

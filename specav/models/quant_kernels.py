@@ -10,6 +10,7 @@ GGUF types it holds exactly and what it approximates:
 | int8    | int8, one scale per row     | rounded to bf16      | none (requantised)        | 0.5-3% |
 | int8dyn | int8, one scale per row     | int8 per row (7 bit) | none (both requantised)   | 2-4%   |
 | kquant  | the file's Q4_K/Q6_K blocks | int8 per 256 columns | Q4_K, Q6_K codes + scales | ~0.7%  |
+| kquant_x8 | Q4_K, 8 features a vector | int8 per 256 columns | Q4_K codes + scales       | ~0.7%  |
 
 *relative error of y against x @ dequantize(W)^T, measured on random and on the packaged
 files' tensors (tests/test_quant.py); bf16 F.linear on the same weights: ~0.25%.
@@ -25,8 +26,12 @@ set this machine runs safely, AVX-512 VNNI or AVX2; absent where it cannot be bu
 the file's 4.5 or 6.6 bits per weight as stored, where the others read 8 or more, which is what
 decoding one row on a CPU is bound by, and decodes each weight block once for up to 8 (AVX-512)
 or 4 (AVX2) rows, which is what verifying several rows is bound by. Several kquant weights of one
-input run in one call (`kquant_matmuls`: q/k/v, gate/up). All four are batch-invariant: a row's
-output is bit for bit the same whatever other rows share the call (tested).
+input run in one call (`kquant_matmuls`: q/k/v, gate/up). kquant_x8 runs the same Q4_K codes and
+scales repacked at load with 8 output features interleaved in each vector (4.6 bits per weight):
+a row then needs no horizontal sums and each sub-block's scales are applied once for 8 features,
+so several rows cost about what an int8 GEMM costs, where kquant's per-(feature, row) dot products
+cost about twice that (docs/quantized.md). All five are batch-invariant: a row's output is bit for
+bit the same whatever other rows share the call (tested).
 
 Must not know: models, modules, which kernel is fastest (quant_choice.py measures that).
 """
@@ -62,6 +67,11 @@ class PackedWeight:
         return True
 
     @classmethod
+    def fits(cls, qtype: T, shape: tuple[int, int]) -> bool:
+        """Whether `pack` takes a weight of this type and (N, K) shape."""
+        return cls.supports(qtype)
+
+    @classmethod
     def pack(cls, weight: GGUFWeight) -> PackedWeight:
         raise NotImplementedError
 
@@ -73,6 +83,18 @@ class PackedWeight:
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x # [T, K] float32 -> x W^T # [T, N] float32."""
         raise NotImplementedError
+
+    @classmethod
+    def family(cls) -> type[PackedWeight]:
+        """The kernels whose weights `matmuls` takes together (this one's own, unless it says more)."""
+        return cls
+
+    @classmethod
+    def matmuls(cls, x: torch.Tensor, weights: list[PackedWeight], biases: list[torch.Tensor | None]
+                ) -> list[torch.Tensor]:
+        """x against several weights of this family that share the input (q/k/v, gate/up): one
+        `matmul` each, unless the kernel does them in one call."""
+        return [w.matmul(x, b) for w, b in zip(weights, biases)]
 
 
 class Int4Weight(PackedWeight):
@@ -137,6 +159,10 @@ class Int8DynamicWeight(PackedWeight):
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul_rows(*int8dyn_rows(x))
 
+    @classmethod
+    def matmuls(cls, x, weights, biases):
+        return int8dyn_matmuls(x, weights, biases)  # one scaling of x's rows for all of them
+
     def matmul_rows(self, scaled: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
         """x W^T from int8dyn_rows(x) # [T, K], [T, 1] (computed once for several weights of x)."""
         y = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
@@ -198,16 +224,83 @@ class KQuantWeight(PackedWeight):
         """Whether each row ends in a Q4_K block's first half (pack left its zero half out)."""
         return self.qtype == T.Q4_K and self.blocks.shape[1] % self.Q4_K_BYTES == self.Q4_K_BYTES - self.HALF_BYTES
 
+    @property
+    def native_type(self) -> int:
+        """The type code kq_matmul (and the whole-layer call) takes for `blocks`: the GGUF type's."""
+        return int(self.qtype)
+
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return self.ops.kq_matmul(x.float().contiguous(), [self.blocks], [int(self.qtype)], [bias])[0]  # bias added inside
+        return self.ops.kq_matmul(x.float().contiguous(), [self.blocks], [self.native_type], [bias])[0]  # bias added inside
+
+    @classmethod
+    def family(cls) -> type[PackedWeight]:
+        return KQuantWeight  # kquant and kquant_x8 weights of one input run in one kq_matmul
+
+    @classmethod
+    def matmuls(cls, x, weights, biases):
+        return kquant_matmuls(x, weights, biases)  # one activation quantisation, one pass of the threads
 
 
 def kquant_matmuls(x: torch.Tensor, weights: list[KQuantWeight], biases: list[torch.Tensor | None]) -> list[torch.Tensor]:
     """x # [T, K] against several kquant weights of one input in one native call (one activation
     quantisation, one pass of the threads): q/k/v, or gate/up -> one # [T, N_i] per weight."""
     return weights[0].ops.kq_matmul(x.float().contiguous(), [w.blocks for w in weights],
-                                    [int(w.qtype) for w in weights], biases)
+                                    [w.native_type for w in weights], biases)
+
+
+class KQuantX8Weight(KQuantWeight):
+    """The native kernel on Q4_K repacked at load with 8 output features interleaved (native/kquant.cpp,
+    kq_matmul's type 112, `x8_tile`): the file's codes and scales, 4.6 bits per weight, laid out so
+    that a row needs no horizontal sums and each sub-block's scales apply to 8 features at once:
+    several rows cost about as much as an int8 GEMM's, one row about as much as kquant's
+    (docs/quantized.md). Q4_K with N a multiple of 8 and K of 256. A kquant weight to every caller
+    (`blocks`, `native_type`): fused calls and the whole-layer call take either layout."""
+
+    kernel = "kquant_x8"
+    exact_types = frozenset({T.Q4_K})
+    NATIVE_TYPE = 112  # kquant.cpp's kQ4KX8
+
+    @classmethod
+    def fits(cls, qtype: T, shape: tuple[int, int]) -> bool:
+        return cls.supports(qtype) and shape[0] % 8 == 0 and shape[1] % 256 == 0
+
+    @classmethod
+    def pack(cls, weight: GGUFWeight, ops=None) -> KQuantX8Weight:
+        fits = weight.qtype in cls.exact_types and weight.shape[0] % 8 == 0 and weight.shape[1] % 256 == 0
+        if not fits or not native.available() and ops is None:
+            raise ValueError(f"kquant_x8 cannot run {weight.name} ({weight.qtype.name}, {weight.shape}): "
+                             f"{native.unavailable_reason() or 'only Q4_K with N % 8 == 0 and K % 256 == 0'}")
+        return cls(weight.qtype, torch.from_numpy(interleave_q4_k(weight)), weight.shape,
+                   ops if ops is not None else native.ops())
+
+    @property
+    def ends_in_half_block(self) -> bool:
+        return False
+
+    @property
+    def native_type(self) -> int:
+        return self.NATIVE_TYPE
+
+
+def interleave_q4_k(weight: GGUFWeight) -> np.ndarray:
+    """Q4_K blocks # [N, K / 256 * 144] -> kq_matmul's interleaved layout (type 112) # [N / 8, K / 256 *
+    1184] uint8 (native/kquant.cpp, x8_tile): per group of 8 features and block, codes 1024 bytes (vector v, feature n:
+    byte i = code 8v + i | code 8v + 4 + i << 4), sc [j][n], m [p][n][2] (m_2p, m_2p+1), d [n] and
+    dmin [n] as the file's float16."""
+    n, k = weight.shape
+    g, nb = n // 8, k // 256
+    blocks = np.ascontiguousarray(weight.blocks).reshape(n, nb, 144)
+    codes = (blocks[..., 16:].reshape(n, nb, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(2, 1)) & 0x0F
+    codes = codes.reshape(g, 8, nb, 32, 2, 4)  # [group, feature, block, v, low/high half of 8 codes, i]
+    nibbles = (codes[..., 0, :] | (codes[..., 1, :] << 4)).transpose(0, 2, 3, 1, 4)  # [g, nb, v, feature, i]
+    sc, m = gguf.quants.Q4_K.get_scale_min(blocks[..., 4:16].reshape(-1, 12))  # [n * nb, 8] each
+    sc = sc.reshape(g, 8, nb, 8).transpose(0, 2, 3, 1)  # [g, nb, j, feature]
+    m = m.reshape(g, 8, nb, 4, 2).transpose(0, 2, 3, 1, 4)  # [g, nb, p, feature, 2]
+    d = blocks[..., 0:4].reshape(g, 8, nb, 2, 2).transpose(0, 2, 3, 1, 4)  # [g, nb, d / dmin, feature, 2 bytes]
+    parts = [nibbles.reshape(g, nb, 1024), sc.astype(np.uint8).reshape(g, nb, 64),
+             m.astype(np.uint8).reshape(g, nb, 64), d.reshape(g, nb, 32)]
+    return np.ascontiguousarray(np.concatenate(parts, axis=2).reshape(g, nb * 1184))
 
 
 KERNELS: dict[str, type[PackedWeight]] = {
-    k.kernel: k for k in (Int4Weight, Int8Weight, Int8DynamicWeight, KQuantWeight)}
+    k.kernel: k for k in (Int4Weight, Int8Weight, Int8DynamicWeight, KQuantWeight, KQuantX8Weight)}

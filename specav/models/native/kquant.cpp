@@ -24,6 +24,10 @@
 // tile's activations stay in the L1 cache; whether multi-row calls prefetch their weights) is
 // chosen per machine at run time (set_schedule; schedule.py measures), each variant starting from
 // the loops measured fastest where it was written.
+// A Q4_K weight may also come repacked at load with 8 output features interleaved (type kQ4KX8 =
+// 112, x8_tile below): the same codes and scales, laid out so that 4 activation bytes meet 4 codes
+// of 8 features in one dot product and a row needs no horizontal sums; several rows then cost
+// about 1.5x fewer cycles than in the file's layout (docs/quantized.md). One call may mix layouts.
 // The work is split over output features in chunks, each thread one contiguous run of them.
 // Every output depends only on its own row of x, computed by the same instructions whatever the
 // tile: the kernel is batch-invariant.
@@ -53,6 +57,7 @@ using specav_native::parallel_runs;
 constexpr int64_t kBlock = 256;  // super-block: one activation scale, one d (and dmin)
 constexpr int64_t kQ4KBytes = 144, kQ6KBytes = 210;
 constexpr int64_t kQ4K = 12, kQ6K = 14;  // ggml type codes
+constexpr int64_t kQ4KX8 = 112;  // Q4_K repacked with 8 output features interleaved (x8_tile), specav's own code
 
 // Activations of T rows, quantised per 256-element block (the width padded to nb * 256 with zeros).
 struct Activations {
@@ -115,6 +120,83 @@ inline void finish(const __m256 (&acc)[R], bool last, float* state, float* out, 
 #else
 #include "kquant_avx2.h"
 #endif
+
+// Q4_K with 8 output features interleaved (kq_matmul's type kQ4KX8 = 112; quant_kernels.KQuantX8Weight
+// packs it at load from the file's blocks, the same codes and scales). Per group of 8 features and 256-element
+// block, 1184 bytes:
+//   codes   1024  32 vectors of 32 bytes; in vector v, feature n's 4 bytes hold its codes 8v .. 8v + 3
+//                 (low nibbles) and 8v + 4 .. 8v + 7 (high nibbles)
+//   sc        64  [sub-block j][feature n] u8        m  64  [pair p][feature n][2] u8: m_2p, m_2p+1
+//   d         16  [feature n] f16                 dmin  16  [feature n] f16
+// A vector's lanes are the 8 features, so a row needs no horizontal sums: 4 activation bytes,
+// broadcast, meet 4 codes of every feature in one u8 x s8 dot (dot4), a sub-block's sums (8 of
+// them, 32 codes) take the features' scales in one multiply, and the min term is 4 dot2 of the
+// (m_2p, m_2p+1) pairs against the row's 32-code sums. In integers per block (sc q x: < 2^31),
+// then d dx and dmin dx in float; each row's sums in the same order whatever the tile.
+namespace {
+
+constexpr int64_t kX8Features = 8, kX8Bytes = 1184;
+constexpr int64_t kX8Sc = 1024, kX8Mins = 1088, kX8D = 1152, kX8Dmin = 1168;
+
+// Blocks b0 .. b1 - 1 of one group of features (w: the group's first block) against R rows; the
+// rows' partial sums wait in state (8 floats a row) between segments of blocks; after the last
+// block, out[r][0..7] = the sums + bias.
+template <int R>
+void x8_tile(const uint8_t* w, int64_t b0, int64_t b1, bool last, const int8_t* const* xq, const float* const* dx,
+             const int16_t* const* s32, float* state, float* const* out, const float* bias) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = b0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(state + 8 * r);
+  w += b0 * kX8Bytes;
+  for (int64_t b = b0; b < b1; ++b, w += kX8Bytes) {
+    // The weights 2 KiB ahead, non-temporal: they pass through the L1 cache once, and the rows'
+    // activations stay there (kquant's prefetch into every level, as on the rows outer, did not help).
+    for (int64_t o = 0; o < kX8Bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(w) + 2048 + o, _MM_HINT_NTA);
+    __m256i isum[R], msum[R];
+    for (int r = 0; r < R; ++r) isum[r] = msum[r] = _mm256_setzero_si256();
+    for (int j = 0; j < 8; ++j) {  // sub-block j: vectors 4j .. 4j + 3
+      __m256i lo_sum[R], hi_sum[R];  // two chains a row: low and high nibbles
+      for (int r = 0; r < R; ++r) lo_sum[r] = hi_sum[r] = _mm256_setzero_si256();
+      for (int q = 0; q < 4; ++q) {
+        const int v = 4 * j + q;
+        const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * v));
+        const __m256i lo = _mm256_and_si256(bytes, low4), hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4);
+        for (int r = 0; r < R; ++r) {
+          int32_t x0, x1;
+          std::memcpy(&x0, xq[r] + b * 256 + 8 * v, 4);
+          std::memcpy(&x1, xq[r] + b * 256 + 8 * v + 4, 4);
+          lo_sum[r] = dot4(lo_sum[r], lo, _mm256_set1_epi32(x0));
+          hi_sum[r] = dot4(hi_sum[r], hi, _mm256_set1_epi32(x1));
+        }
+      }
+      const __m256i sc = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + kX8Sc + 8 * j)));
+      for (int r = 0; r < R; ++r) isum[r] = _mm256_add_epi32(isum[r], _mm256_mullo_epi32(_mm256_add_epi32(lo_sum[r], hi_sum[r]), sc));
+    }
+    for (int p = 0; p < 4; ++p) {  // the min term: m_2p s_2p + m_2p+1 s_2p+1 per feature
+      const __m256i m = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + kX8Mins + 16 * p)));
+      for (int r = 0; r < R; ++r) {
+        int32_t pair;
+        std::memcpy(&pair, s32[r] + b * 8 + 2 * p, 4);
+        msum[r] = dot2(msum[r], m, _mm256_set1_epi32(pair));
+      }
+    }
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + kX8D)));
+    const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + kX8Dmin)));
+    for (int r = 0; r < R; ++r) {  // acc += d dx isum - dmin dx msum
+      const __m256 vdx = _mm256_broadcast_ss(dx[r] + b);
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_mul_ps(d, vdx), acc[r]);
+      acc[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(msum[r]), _mm256_mul_ps(dmin, vdx), acc[r]);
+    }
+  }
+  if (!last) {
+    for (int r = 0; r < R; ++r) _mm256_storeu_ps(state + 8 * r, acc[r]);
+    return;
+  }
+  const __m256 vb = bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
+  for (int r = 0; r < R; ++r) _mm256_storeu_ps(out[r], _mm256_add_ps(acc[r], vb));
+}
+
+}  // namespace
 
 namespace {
 
@@ -186,9 +268,60 @@ std::atomic<int64_t> g_schedule{(kTileOuter ? kScheduleTileOuter : 0) | (kSegmen
 constexpr int64_t kPrefetchBytes = 2048;  // 1-6 KiB measured alike on the Zen 4 EPYC
 
 int64_t block_bytes(int64_t qtype) {
-  TORCH_CHECK(qtype == kQ4K || qtype == kQ6K, "kquant runs Q4_K (12) and Q6_K (14) weights, got type ", qtype);
-  return qtype == kQ4K ? kQ4KBytes : kQ6KBytes;
+  TORCH_CHECK(qtype == kQ4K || qtype == kQ6K || qtype == kQ4KX8,
+              "kquant runs Q4_K (12), Q6_K (14) and Q4_K interleaved (112) weights, got type ", qtype);
+  return qtype == kQ4K ? kQ4KBytes : qtype == kQ6K ? kQ6KBytes : kX8Bytes;
 }
+
+// The weights of a kq_matmul call in the interleaved layout (type kQ4KX8), against rows of `a`:
+// outputs yp[i] (rows x ns[i]) of each such weight i.
+void x8_matmuls(const Activations& a, int64_t rows, const std::vector<int64_t>& which, const std::vector<const uint8_t*>& wp,
+                const std::vector<const float*>& bp, const std::vector<float*>& yp, const std::vector<int64_t>& ns) {
+  const int64_t nb = a.nb;
+  // The 32-code sums as int16 (|sum| <= 4064), adjacent pairs for the min term's dot2.
+  const at::Tensor s32 = a.xs16.view({rows, a.kp / 32, 2}).sum({-1}, false, at::kShort).contiguous();
+  const int8_t* xq = a.xq.data_ptr<int8_t>();
+  const float* dx = a.dx.data_ptr<float>();
+  const int16_t* sp = s32.data_ptr<int16_t>();
+  // Chunks of kX8Chunk feature groups, weight by weight. Within a chunk, K runs in segments of
+  // blocks whose activations fit the L1 cache (16 KiB for a tile), each segment passing over the
+  // chunk's groups, and the weights are prefetched 2 KiB ahead as non-temporal (x8_tile): with a
+  // long K (8960) the weights streaming through the L1 cache otherwise evicted the activations, and
+  // 2 rows took twice the time of one. The rows' partial sums wait in `state` between segments;
+  // each row's blocks are summed in the same order whatever the tiles and segments.
+  constexpr int64_t kX8Chunk = 8;
+  std::vector<std::array<int64_t, 3>> chunks;
+  for (const int64_t i : which)
+    for (int64_t g = 0; g < ns[i] / kX8Features; g += kX8Chunk) chunks.push_back({i, g, std::min(ns[i] / kX8Features, g + kX8Chunk)});
+  const int64_t seg = std::max<int64_t>(1, 16384 / (std::min<int64_t>(rows, kTileX8) * kBlock));
+  parallel_runs(static_cast<int64_t>(chunks.size()), [&](int64_t begin, int64_t end) {
+    std::vector<float> state(seg < nb ? kX8Chunk * rows * 8 : 0);
+    for (int64_t c = begin; c < end; ++c) {
+      const auto [i, g0, g1] = chunks[c];
+      for (int64_t b0 = 0; b0 < nb; b0 += seg) {
+        const int64_t b1 = std::min(nb, b0 + seg);
+        for (int64_t g = g0; g < g1; ++g) {
+          for_tiles<kTileX8>(rows, [&](auto tile, int64_t r0) {
+            constexpr int R = decltype(tile)::value;
+            const int8_t* xr[R];
+            const float* dr[R];
+            const int16_t* sr[R];
+            float* out[R];
+            for (int r = 0; r < R; ++r) {
+              xr[r] = xq + (r0 + r) * a.kp;
+              dr[r] = dx + (r0 + r) * nb;
+              sr[r] = sp + (r0 + r) * (a.kp / 32);
+              out[r] = yp[i] + (r0 + r) * ns[i] + g * kX8Features;
+            }
+            x8_tile<R>(wp[i] + g * nb * kX8Bytes, b0, b1, b1 == nb, xr, dr, sr, state.data() + ((g - g0) * rows + r0) * 8, out,
+                       bp[i] ? bp[i] + g * kX8Features : nullptr);
+          });
+        }
+      }
+    }
+  });
+}
+
 
 }  // namespace
 
@@ -214,16 +347,22 @@ std::vector<at::Tensor> kq_matmul(const at::Tensor& x, at::TensorList weights, a
     const int64_t bytes = block_bytes(qtypes[i]);
     half[i] = half_block && qtypes[i] == kQ4K && w.dim() == 2 && w.size(1) == nb * bytes - 64;
     row_bytes[i] = nb * bytes - (half[i] ? 64 : 0);
-    TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous() && w.size(1) == row_bytes[i],
-                "weight ", i, " must be a contiguous [N, ", nb, " * ", bytes, "] uint8 tensor of blocks for K = ", k,
-                " (its K may be padded to a multiple of 256", half_block && qtypes[i] == kQ4K ?
-                ", or, Q4_K, end in the last block's first 80 bytes" : "", "), got ", w.sizes());
+    if (qtypes[i] == kQ4KX8) {
+      TORCH_CHECK(k % kBlock == 0 && w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous() && w.size(1) == row_bytes[i],
+                  "interleaved Q4_K weight ", i, " must be a contiguous [N / 8, ", nb, " * ", kX8Bytes,
+                  "] uint8 tensor (KQuantX8Weight) for K = ", k, " (a multiple of 256), got ", w.sizes());
+    } else {
+      TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous() && w.size(1) == row_bytes[i],
+                  "weight ", i, " must be a contiguous [N, ", nb, " * ", bytes, "] uint8 tensor of blocks for K = ", k,
+                  " (its K may be padded to a multiple of 256", half_block && qtypes[i] == kQ4K ?
+                  ", or, Q4_K, end in the last block's first 80 bytes" : "", "), got ", w.sizes());
+    }
+    ns[i] = qtypes[i] == kQ4KX8 ? w.size(0) * kX8Features : w.size(0);
     const std::optional<at::Tensor> b = biases.get(i);
-    TORCH_CHECK(!b || (b->dim() == 1 && b->size(0) == w.size(0) && b->scalar_type() == at::kFloat && b->is_contiguous()),
+    TORCH_CHECK(!b || (b->dim() == 1 && b->size(0) == ns[i] && b->scalar_type() == at::kFloat && b->is_contiguous()),
                 "bias ", i, " must be a contiguous float32 vector of the weight's output features");
     wp[i] = w.data_ptr<uint8_t>();
     bp[i] = b ? b->data_ptr<float>() : nullptr;
-    ns[i] = w.size(0);
     ys.push_back(at::empty({rows, ns[i]}, x.options()));
     yp[i] = ys.back().data_ptr<float>();
   }
@@ -237,8 +376,13 @@ std::vector<at::Tensor> kq_matmul(const at::Tensor& x, at::TensorList weights, a
   // work, so taking one (an atomic step of the dynamic schedule) costs little beside it (16 rows
   // whatever K made the drafter's K = 1024 layers 40% slower at two threads).
   std::vector<std::array<int64_t, 3>> chunks;
+  std::vector<int64_t> interleaved;  // the weights of type kQ4KX8, run by x8_matmuls after the others
   int64_t max_chunk = 0;
   for (int64_t i = 0; i < n_weights; ++i) {
+    if (qtypes[i] == kQ4KX8) {
+      interleaved.push_back(i);
+      continue;
+    }
     const int64_t chunk = std::clamp<int64_t>(32768 / row_bytes[i], 16, 1024);
     max_chunk = std::max(max_chunk, chunk);
     for (int64_t f = 0; f < ns[i]; f += chunk) chunks.push_back({i, f, std::min(ns[i], f + chunk)});
@@ -254,7 +398,7 @@ std::vector<at::Tensor> kq_matmul(const at::Tensor& x, at::TensorList weights, a
   const int64_t tile_rows = std::min<int64_t>(rows, std::max(kTileQ4K, kTileQ6K));
   const int64_t seg = segment_k && tile_rows * a.kp > 16384 ? std::max<int64_t>(1, 16384 / (tile_rows * kBlock)) : nb;
   const int64_t* qt = qtypes.data();
-  parallel_runs(static_cast<int64_t>(chunks.size()), [&](int64_t begin, int64_t end) {
+  if (!chunks.empty()) parallel_runs(static_cast<int64_t>(chunks.size()), [&](int64_t begin, int64_t end) {
     std::vector<float> state(seg < nb ? max_chunk * rows * 8 : 0);
     for (int64_t c = begin; c < end; ++c) {
       const auto [i, first_feature, last_feature] = chunks[c];
@@ -290,6 +434,7 @@ std::vector<at::Tensor> kq_matmul(const at::Tensor& x, at::TensorList weights, a
       }
     }
   });
+  if (!interleaved.empty()) x8_matmuls(a, rows, interleaved, wp, bp, yp, ns);
   return ys;
 }
 

@@ -178,6 +178,14 @@ void q6k_tile(const uint8_t* w, const ActView& a, int64_t r0, int64_t b0, int64_
   finish(acc, b1 == a.nb, state, out, ldo, bias);
 }
 
+// The interleaved Q4_K tile's dot products (x8_tile, kquant.cpp): u8 x s8 in groups of 4 into int32
+// (maddubs, then madd against ones: pairs of 15 * 128 fit int16), and int16 pairs into int32.
+constexpr int kTileX8 = 2;  // 16 registers: two rows' five sums beside the decoded codes
+inline __m256i dot4(__m256i acc, __m256i u8, __m256i s8) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u8, s8), _mm256_set1_epi16(1)));
+}
+inline __m256i dot2(__m256i acc, __m256i a, __m256i b) { return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b)); }
+
 // Calls fn(std::integral_constant<int, R>{}, r0) for every tile of up to R rows of `rows`.
 template <int R, typename Fn>
 void for_tiles(int64_t rows, const Fn& fn) {

@@ -143,6 +143,11 @@ void q6k_tile(const uint8_t* w, const ActView& a, int64_t r0, int64_t b0, int64_
   finish(acc, b1 == a.nb, state, out, ldo, bias);
 }
 
+// The interleaved Q4_K tile's dot products (x8_tile, kquant.cpp): vpdpbusd and vpdpwssd.
+constexpr int kTileX8 = 6;
+inline __m256i dot4(__m256i acc, __m256i u8, __m256i s8) { return _mm256_dpbusd_epi32(acc, u8, s8); }
+inline __m256i dot2(__m256i acc, __m256i a, __m256i b) { return _mm256_dpwssd_epi32(acc, a, b); }
+
 // Calls fn(std::integral_constant<int, R>{}, r0) for every tile of up to R rows of `rows`.
 template <int R, typename Fn>
 void for_tiles(int64_t rows, const Fn& fn) {
