@@ -7,7 +7,8 @@ Printed (every figure a ratio of times measured in this run, in turns, on this m
 section ends with how many cores other processes kept busy meanwhile, bench/load.py):
 
 - kernels: each native variant this machine runs (native/variants.py), on one real tensor of every
-  linear shape of the packaged target, one thread, cache-cold, best of --repeats: ms at 1, 5 and 16
+  linear shape of the packaged target, kquant and on Q4_K kquant_x8 ("<variant> x8", the interleaved
+  layout), one thread, cache-cold, best of --repeats: ms at 1, 5 and 16
   rows, and 5 and 16 rows relative to 1; beside them the floor of those ratios at the variant's
   arithmetic rate (its dot products on register operands, native int8_peak): n rows cost at least
   n times the multiply-adds at that rate, however well the one pass over the weights is shared;
@@ -64,7 +65,7 @@ from specav.models.native.probe import cpu_model
 from specav.models.native.variants import VARIANTS
 from specav.models.quant import QuantizedLinear, quantized_nbytes
 from specav.models.quant_gguf import read_header
-from specav.models.quant_kernels import KQuantWeight
+from specav.models.quant_kernels import KQuantWeight, KQuantX8Weight
 from specav.models.threads import ThreadChoice
 from specav.models.vocab_ranking import load_ranking
 from specav.models.vocab_subset import set_head, subset_head
@@ -112,7 +113,11 @@ def arithmetic_floor(one_row_seconds: float, rows: int, multiply_adds: int, peak
 
 
 def _kernel_row(weight, usable: dict, peaks: dict, repeats: int) -> str:
+    """kquant in each variant, and on Q4_K kquant_x8 (the interleaved layout) beside it."""
     packed = {v: KQuantWeight.pack(weight, ops=ops) for v, ops in usable.items()}
+    if KQuantX8Weight.fits(weight.qtype, weight.shape):
+        packed |= {f"{v} x8": KQuantX8Weight.pack(weight, ops=ops) for v, ops in usable.items()}
+    peaks = peaks | {f"{v} x8": p for v, p in peaks.items()}
     xs = [torch.randn(r, weight.shape[1], generator=torch.Generator().manual_seed(r)) for r in KERNEL_ROWS]
     best = {v: [float("inf")] * len(xs) for v in packed}
     for _ in range(repeats):
