@@ -125,7 +125,7 @@ class FusedLinear(nn.Module):
         """x # [T, in_features] float32 -> one # [T, out_features_i] per member."""
         packed = [m.packed_for(x.shape[0]) for m in self._members]
         family = type(packed[0]).family()
-        if all(type(p).family() is family for p in packed):  # the family's call for several weights
+        if family.fuses and all(type(p).family() is family for p in packed):  # the family's one call
             return family.matmuls(x, packed, [m.bias for m in self._members])
         return [m(x) for m in self._members]
 

@@ -24,8 +24,8 @@ fbgemm's AVX2 path adds pairs of u8 x s8 products in int16, which saturates with
 activations. kquant is specav's own kernel (native/kquant.cpp, compiled on first use for the instruction
 set this machine runs safely, AVX-512 VNNI or AVX2; absent where it cannot be built): it reads
 the file's 4.5 or 6.6 bits per weight as stored, where the others read 8 or more, which is what
-decoding one row on a CPU is bound by, and decodes each weight block once for up to 8 (AVX-512)
-or 4 (AVX2) rows, which is what verifying several rows is bound by. Several kquant weights of one
+decoding one row on a CPU is bound by, and decodes each weight block once for up to 8 rows, which
+is what verifying several rows is bound by. Several kquant weights of one
 input run in one call (`kquant_matmuls`: q/k/v, gate/up). kquant_x8 runs the same Q4_K codes and
 scales repacked at load with 8 output features interleaved in each vector (4.6 bits per weight):
 a row then needs no horizontal sums and each sub-block's scales are applied once for 8 features,
@@ -57,6 +57,7 @@ class PackedWeight:
 
     kernel: ClassVar[str]
     exact_types: ClassVar[frozenset[T]] = frozenset()
+    fuses: ClassVar[bool] = False  # whether `matmuls` does several weights of one input in one call
 
     def __init__(self, shape: tuple[int, int], nbytes: int) -> None:
         self.shape = shape  # (N, K)
@@ -92,8 +93,8 @@ class PackedWeight:
     @classmethod
     def matmuls(cls, x: torch.Tensor, weights: list[PackedWeight], biases: list[torch.Tensor | None]
                 ) -> list[torch.Tensor]:
-        """x against several weights of this family that share the input (q/k/v, gate/up): one
-        `matmul` each, unless the kernel does them in one call."""
+        """x # [T, K] float32 against several weights of this family that share the input (q/k/v,
+        gate/up) -> one # [T, N_i] float32 each: one `matmul` each, unless the kernel `fuses`."""
         return [w.matmul(x, b) for w, b in zip(weights, biases)]
 
 
@@ -141,6 +142,7 @@ class Int8Weight(PackedWeight):
 
 class Int8DynamicWeight(PackedWeight):
     kernel = "int8dyn"
+    fuses = True
 
     def __init__(self, packed: torch.ScriptObject, shape: tuple[int, int]) -> None:
         super().__init__(shape, shape[0] * shape[1] + 8 * shape[0])
@@ -197,6 +199,7 @@ class KQuantWeight(PackedWeight):
 
     kernel = "kquant"
     exact_types = frozenset({T.Q4_K, T.Q6_K})
+    fuses = True
     Q4_K_BYTES, HALF_BYTES = 144, 64  # a Q4_K block of 256 weights; the second half of its nibbles
 
     def __init__(self, qtype: T, blocks: torch.Tensor, shape: tuple[int, int], ops) -> None:
@@ -262,12 +265,15 @@ class KQuantX8Weight(KQuantWeight):
 
     @classmethod
     def fits(cls, qtype: T, shape: tuple[int, int]) -> bool:
-        return cls.supports(qtype) and shape[0] % 8 == 0 and shape[1] % 256 == 0
+        return cls.supports(qtype) and cls._lays_out(qtype, shape)
+
+    @classmethod
+    def _lays_out(cls, qtype: T, shape: tuple[int, int]) -> bool:
+        return qtype in cls.exact_types and shape[0] % 8 == 0 and shape[1] % 256 == 0
 
     @classmethod
     def pack(cls, weight: GGUFWeight, ops=None) -> KQuantX8Weight:
-        fits = weight.qtype in cls.exact_types and weight.shape[0] % 8 == 0 and weight.shape[1] % 256 == 0
-        if not fits or not native.available() and ops is None:
+        if not cls._lays_out(weight.qtype, weight.shape) or not native.available() and ops is None:
             raise ValueError(f"kquant_x8 cannot run {weight.name} ({weight.qtype.name}, {weight.shape}): "
                              f"{native.unavailable_reason() or 'only Q4_K with N % 8 == 0 and K % 256 == 0'}")
         return cls(weight.qtype, torch.from_numpy(interleave_q4_k(weight)), weight.shape,
@@ -284,9 +290,9 @@ class KQuantX8Weight(KQuantWeight):
 
 def interleave_q4_k(weight: GGUFWeight) -> np.ndarray:
     """Q4_K blocks # [N, K / 256 * 144] -> kq_matmul's interleaved layout (type 112) # [N / 8, K / 256 *
-    1184] uint8 (native/kquant.cpp, x8_tile): per group of 8 features and block, codes 1024 bytes (vector v, feature n:
-    byte i = code 8v + i | code 8v + 4 + i << 4), sc [j][n], m [p][n][2] (m_2p, m_2p+1), d [n] and
-    dmin [n] as the file's float16."""
+    1184] uint8 (native/kquant.cpp, x8_tile): per group of 8 features and block, codes 1024 bytes
+    (vector v, feature n: byte i = code 8v + i | code 8v + 4 + i << 4), sc [j][n], m [p][n][2]
+    (m_2p, m_2p+1), d [n] and dmin [n] as the file's float16."""
     n, k = weight.shape
     g, nb = n // 8, k // 256
     blocks = np.ascontiguousarray(weight.blocks).reshape(n, nb, 144)
