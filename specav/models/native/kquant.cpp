@@ -149,8 +149,8 @@ void x8_tile(const uint8_t* w, int64_t b0, int64_t b1, bool last, const int8_t* 
   for (int r = 0; r < R; ++r) acc[r] = b0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(state + 8 * r);
   w += b0 * kX8Bytes;
   for (int64_t b = b0; b < b1; ++b, w += kX8Bytes) {
-    // The weights 2 KiB ahead, non-temporal: they pass through the L1 cache once, and the rows'
-    // activations stay there (kquant's prefetch into every level, as on the rows outer, did not help).
+    // The weights 2 KiB ahead, non-temporal: they pass through the L1 cache once and leave the rows'
+    // activations there (a prefetch into every level, kquant's, did not help here).
     for (int64_t o = 0; o < kX8Bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(w) + 2048 + o, _MM_HINT_NTA);
     __m256i isum[R], msum[R];
     for (int r = 0; r < R; ++r) isum[r] = msum[r] = _mm256_setzero_si256();
