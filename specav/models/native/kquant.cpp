@@ -66,6 +66,7 @@ struct Activations {
   at::Tensor dx;    // [T, nb] float scales
   at::Tensor xs16;  // [T, kp / 16] int16 sums of 16 codes (|sum| <= 2032)
   at::Tensor xs32;  // [T, kp / 32] float: dx * sum of 32 codes (the Q4_K min term)
+  at::Tensor xs32i;  // [T, kp / 32] int16 sums of 32 codes (|sum| <= 4064), where asked: x8_tile's min term
 };
 
 // Raw pointers into Activations, for the row kernels.
@@ -227,7 +228,7 @@ void quantize_block(const float* src, int64_t valid, int8_t* dst, float* d_out) 
   }
 }
 
-Activations quantize_rows(const at::Tensor& x, int64_t nb) {
+Activations quantize_rows(const at::Tensor& x, int64_t nb, bool int_sums32 = false) {
   Activations a;
   a.rows = x.size(0);
   a.nb = nb;
@@ -243,6 +244,8 @@ Activations quantize_rows(const at::Tensor& x, int64_t nb) {
   float* dp = a.dx.data_ptr<float>();
   int16_t* s16 = a.xs16.data_ptr<int16_t>();
   float* s32 = a.xs32.data_ptr<float>();
+  if (int_sums32) a.xs32i = at::empty({a.rows, kp / 32}, opts.dtype(at::kShort));
+  int16_t* s32i = int_sums32 ? a.xs32i.data_ptr<int16_t>() : nullptr;
   parallel_chunks(a.rows * nb, 64, [&](int64_t begin, int64_t end) {
     for (int64_t rb = begin; rb < end; ++rb) {
       const int64_t r = rb / nb, b = rb % nb, first = b * kBlock;
@@ -254,7 +257,11 @@ Activations quantize_rows(const at::Tensor& x, int64_t nb) {
         for (int i = 0; i < 16; ++i) s += dst[16 * g + i];
         sums[g] = static_cast<int16_t>(s);
       }
-      for (int g = 0; g < kBlock / 32; ++g) s32[r * (kp / 32) + b * 8 + g] = dp[rb] * static_cast<float>(sums[2 * g] + sums[2 * g + 1]);
+      for (int g = 0; g < kBlock / 32; ++g) {
+        const int32_t sum = sums[2 * g] + sums[2 * g + 1];
+        s32[r * (kp / 32) + b * 8 + g] = dp[rb] * static_cast<float>(sum);
+        if (s32i) s32i[r * (kp / 32) + b * 8 + g] = static_cast<int16_t>(sum);
+      }
     }
   });
   return a;
@@ -278,11 +285,9 @@ int64_t block_bytes(int64_t qtype) {
 void x8_matmuls(const Activations& a, int64_t rows, const std::vector<int64_t>& which, const std::vector<const uint8_t*>& wp,
                 const std::vector<const float*>& bp, const std::vector<float*>& yp, const std::vector<int64_t>& ns) {
   const int64_t nb = a.nb;
-  // The 32-code sums as int16 (|sum| <= 4064), adjacent pairs for the min term's dot2.
-  const at::Tensor s32 = a.xs16.view({rows, a.kp / 32, 2}).sum({-1}, false, at::kShort).contiguous();
   const int8_t* xq = a.xq.data_ptr<int8_t>();
   const float* dx = a.dx.data_ptr<float>();
-  const int16_t* sp = s32.data_ptr<int16_t>();
+  const int16_t* sp = a.xs32i.data_ptr<int16_t>();  // adjacent pairs of 32-code sums: the min term's dot2
   // Chunks of kX8Chunk feature groups, weight by weight. Within a chunk, K runs in segments of
   // blocks whose activations fit the L1 cache (16 KiB for a tile), each segment passing over the
   // chunk's groups, and the weights are prefetched 2 KiB ahead as non-temporal (x8_tile): with a
@@ -368,7 +373,8 @@ std::vector<at::Tensor> kq_matmul(const at::Tensor& x, at::TensorList weights, a
   }
   if (rows == 0) return ys;
   const int64_t schedule = g_schedule.load(std::memory_order_relaxed);
-  const Activations a = quantize_rows(x, nb);
+  const bool any_interleaved = std::find(qtypes.begin(), qtypes.end(), kQ4KX8) != qtypes.end();
+  const Activations a = quantize_rows(x, nb, any_interleaved);
   const ActView view{a.xq.data_ptr<int8_t>(), a.dx.data_ptr<float>(), a.xs32.data_ptr<float>(),
                      a.xs16.data_ptr<int16_t>(), nb, a.kp, rows > 1 && (schedule & kSchedulePrefetch) ? kPrefetchBytes : 0};
   // Chunks of output features, weight by weight: (weight, first feature, end feature). About 32 KiB
