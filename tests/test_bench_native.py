@@ -23,8 +23,9 @@ def test_layer_calls_times_both_ways_and_counts_the_layers(tmp_path, capsys, mon
     model = load_quantized(write_tiny_gguf(tmp_path / "tiny.gguf"), "auto", None, role="drafter")
     model.threads = None
     calls = []
-    original = NativeLayerOps.decoder_layer
-    monkeypatch.setattr(NativeLayerOps, "decoder_layer", lambda self, *a: calls.append(a[0].index) or original(self, *a))
+    original = NativeLayerOps.decoder_layers
+    monkeypatch.setattr(NativeLayerOps, "decoder_layers",
+                        lambda self, *a: calls.extend(c.index for c in a[0]) or original(self, *a))
     whole_layer = NativeLayerOps.__dict__["whole_layer"]
     bench_native.layer_calls({"drafter": model}, repeats=3)
     out = capsys.readouterr().out
@@ -46,8 +47,9 @@ def test_a_drafter_whose_width_ends_in_half_a_block_computes_the_same_with_the_z
     model.threads = None
     layouts = bench_native.HalfBlockLayouts(model)
     packed = [p.blocks for p in layouts.weights]
-    # q, k, v, o, gate and up of each layer (down's K is 512) and the head, all 2 * 144 - 64 bytes a row
-    assert len(packed) == 6 * 2 + 1 and all(b.shape[1] == 2 * 144 - 64 for b in packed)
+    # q, k, v, o, gate and up of each layer (down's K is 512) and the head, on kquant_x8 (N % 8 == 0):
+    # each group of 8 rows 2 * 1184 - 512 bytes
+    assert len(packed) == 6 * 2 + 1 and all(b.shape[1] == 2 * 1184 - 512 for b in packed)
     ids = torch.randint(0, 96, (12,), generator=torch.Generator().manual_seed(0)).tolist()
 
     def logits():
@@ -59,7 +61,7 @@ def test_a_drafter_whose_width_ends_in_half_a_block_computes_the_same_with_the_z
 
     trimmed = logits()
     layouts.use("whole")
-    assert all(p.blocks.shape[1] == 2 * 144 for p in layouts.weights)
+    assert all(p.blocks.shape[1] == 2 * 1184 for p in layouts.weights)
     whole = logits()
     assert all(torch.equal(a, b) for a, b in zip(trimmed, whole))
     layouts.use("trimmed")

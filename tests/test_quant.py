@@ -33,7 +33,7 @@ from specav.models.quant_formats import GGUFWeight, dequantize, int4_groups, req
 from specav.models.quant_gguf import read_header
 from specav.models.native.schedule import SCHEDULES
 from specav.models.quant_kernels import (KERNELS, KQuantWeight, KQuantX8Weight, int8dyn_matmuls, int8dyn_rows,
-                                         kquant_matmuls)
+                                         interleave_q4_k, kquant_matmuls)
 from tests.tiny_models import save_tiny_checkpoint
 
 T = gguf.GGMLQuantizationType
@@ -302,10 +302,50 @@ def test_kquant_x8_rows_are_batch_invariant_and_fused_calls_split(native_ops):
 
 def test_kquant_x8_takes_only_what_it_can_lay_out():
     assert KERNELS["kquant_x8"].fits(T.Q4_K, (8960, 1536)) == native.available()
-    assert not KERNELS["kquant_x8"].fits(T.Q4_K, (4864, 896))  # the drafter's padded K: kquant's half blocks
+    assert KERNELS["kquant_x8"].fits(T.Q4_K, (4864, 896)) == native.available()  # the drafter's, K padded
     assert not KERNELS["kquant_x8"].fits(T.Q4_K, (12, 512)) and not KERNELS["kquant_x8"].fits(T.Q6_K, (64, 512))
     with pytest.raises(ValueError, match="kquant_x8 cannot run"):
         KQuantX8Weight.pack(random_weight(T.Q4_K, n=12, k=512))
+
+
+@pytest.mark.parametrize("k", [896, 640, 928, 736])
+def test_kquant_x8_runs_weights_padded_past_k(native_ops, k):
+    """A weight requantised with K padded to whole blocks (the drafter's K = 896): exact on quantised
+    activations at every tile size, and where K ends in the first half of a block (896, 640) the
+    last block keeps only its first 512 bytes of codes, every output the whole padded layout's bit
+    for bit (alone and fused with a kquant weight, under every schedule); past the first half (928,
+    736) it is kept whole."""
+    q4k = requantize_q4_k(random_weight(T.Q8_0, n=40, k=k, seed=k), native_ops.quantize_q4_k)
+    blocks = -(-k // 256)
+    packed = KQuantX8Weight.pack(q4k, ops=native_ops)
+    half = k % 256 <= 128
+    assert tuple(packed.blocks.shape) == (5, blocks * 1184 - (512 if half else 0))
+    assert packed.ends_in_half_block == half
+    x = torch.randn(13, k, generator=torch.Generator().manual_seed(k))
+    x[3] *= 100
+    expected = int8_reconstruction(native_ops, x, k) @ dequantize(q4k).double().t()
+    y = packed.matmul(x)
+    assert ((y.double() - expected).norm() / expected.norm()).item() < 1e-5
+    whole = torch.from_numpy(interleave_q4_k(GGUFWeight("w", T.Q4_K, (40, blocks * 256), q4k.blocks)))
+    assert whole.shape == (5, blocks * 1184) and torch.equal(packed.whole_blocks(), whole)
+    other = KQuantWeight.pack(q4k, ops=native_ops)  # kquant in the same call
+    bias = torch.randn(40, generator=torch.Generator().manual_seed(2))
+    saved = native_ops.set_schedule(SCHEDULES[0])
+    try:
+        for schedule in SCHEDULES:
+            native_ops.set_schedule(schedule)
+            for rows in (1, 2, 5, 6, 7, 13):
+                full = native_ops.kq_matmul(x[:rows], [whole, other.blocks], [112, other.native_type], [bias, None])
+                trimmed = native_ops.kq_matmul(x[:rows], [packed.blocks, other.blocks], [112, other.native_type],
+                                               [bias, None])
+                assert torch.equal(trimmed[0], full[0]) and torch.equal(trimmed[1], full[1]), (schedule, rows)
+                assert torch.equal(trimmed[0], y[:rows] + bias), rows  # batch-invariant, bias once
+    finally:
+        native_ops.set_schedule(saved)
+    refused = [whole[:, :-100]] + ([] if half else [whole[:, :-512]])  # a half block past K's first half too
+    for blocks_of_another_width in refused:
+        with pytest.raises(RuntimeError, match="must be a contiguous"):
+            native_ops.kq_matmul(x[:1], [blocks_of_another_width.contiguous()], [112], [None])
 
 
 def test_kquant_runs_weights_padded_past_k(native_ops):
@@ -528,6 +568,15 @@ def test_plan_runs_kquant_at_one_row_where_it_is_near_the_fastest():
     assert plan_from_times(times).kernels == ("int4", "int8dyn", "int8dyn", "int8dyn")  # no third copy
 
 
+def test_plan_keeps_the_faster_whole_layer_kernel_at_one_row():
+    """kquant_x8 runs in the whole-layer call as kquant does: where it is the fastest at one row it
+    stays there (not replaced by kquant), and where neither is fastest the faster of the two runs."""
+    times = {"kquant": [1.3, 4.0, 15.0, 60.0], "kquant_x8": [1.0, 2.0, 6.0, 20.0]}
+    assert plan_from_times(times).kernels == ("kquant_x8",) * 4
+    times = {"kquant": [1.3, 4.0, 15.0, 60.0], "kquant_x8": [1.2, 2.0, 6.0, 20.0], "int8dyn": [1.0, 1.5, 3.0, 10.0]}
+    assert plan_from_times(times).kernels == ("kquant_x8", "int8dyn", "int8dyn", "int8dyn")
+
+
 def test_plan_row_buckets_are_nearest_on_log_scale():
     plan = KernelPlan((1, 4, 16, 64), ("a", "b", "c", "d"))
     assert [plan.kernel_for(t) for t in (1, 2, 3, 7, 8, 9, 31, 33, 1000)] == list("aabbbccdd")
@@ -676,20 +725,25 @@ def test_whole_model_matches_transformers_dequantised_forward(tmp_path, monkeypa
 
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
 def test_drafter_runs_every_layer_natively(tmp_path, arch):
-    """A drafter in auto: its Q5_0 / Q8_0 layers requantised to Q4_K, every linear on kquant up to
-    DRAFTER_NATIVE_ROWS rows (the head at every row count), int8dyn beyond; q/k/v and gate/up fused;
-    logits still close to the file's own weights' whichever kernels run."""
+    """A drafter in auto: its Q5_0 / Q8_0 layers requantised to Q4_K, every linear on the native
+    kernel up to DRAFTER_NATIVE_ROWS rows (the head at every row count: kquant_x8 where N % 8 == 0,
+    else kquant), int8dyn beyond; q/k/v and gate/up fused; logits still close to the file's own
+    weights' whichever kernels run."""
     path = write_tiny_gguf(tmp_path / "tiny.gguf", arch)
     ids = torch.randint(2, VOCAB, (12,), generator=torch.Generator().manual_seed(0)).tolist()
     reference = transformers_logits(path, ids)  # [12, V]
     model = load_quantized(path, "auto", None, role="drafter")
     head = model.hf_model.lm_head
     layers = [m for m in model.hf_model.modules() if isinstance(m, QuantizedLinear) and m is not head]
-    assert len(layers) == 7 * LAYERS and set(head.packed) == {"kquant"}
-    assert all(set(m.packed) == {"kquant", "int8dyn"} for m in layers)
-    assert all(m.plan.kernel_for(n) == "kquant" for m in layers for n in range(1, DRAFTER_NATIVE_ROWS + 1))
+    def native_kernel(m):
+        return "kquant_x8" if m.out_features % 8 == 0 and m.packed[m.plan.kernel_for(1)].qtype == T.Q4_K else "kquant"
+
+    assert len(layers) == 7 * LAYERS and set(head.packed) == {native_kernel(head)}
+    assert {native_kernel(m) for m in layers} == {"kquant_x8", "kquant"}  # Q6_K layers stay on kquant
+    assert all(set(m.packed) == {native_kernel(m), "int8dyn"} for m in layers)
+    assert all(m.plan.kernel_for(n) == native_kernel(m) for m in layers for n in range(1, DRAFTER_NATIVE_ROWS + 1))
     assert all(m.plan.kernel_for(DRAFTER_NATIVE_ROWS + 1) == "int8dyn" for m in layers)
-    assert all(m.packed["kquant"].qtype in (T.Q4_K, T.Q6_K) for m in layers + [head])
+    assert all(m.packed[native_kernel(m)].qtype in (T.Q4_K, T.Q6_K) for m in layers + [head])
     for step in (1, 12):  # one token at a time (kquant), then the whole sequence at once (int8dyn)
         cache = model.new_cache()
         logits = torch.cat([model.forward([ids[i:i + step]], [cache], [step]).logits for i in range(0, 12, step)])
@@ -749,16 +803,17 @@ def test_whole_layer_call_equals_the_layer_op_by_op(tmp_path, monkeypatch, role)
     model = load_quantized(write_tiny_gguf(tmp_path / "tiny.gguf"), "auto", tmp_path / "profile.json", role=role)
     ids = torch.randint(2, VOCAB, (30,), generator=torch.Generator().manual_seed(0)).tolist()
     calls = []
-    original = NativeLayerOps.decoder_layer
-    monkeypatch.setattr(NativeLayerOps, "decoder_layer", lambda self, *a: calls.append(a[0].index) or original(self, *a))
+    original = NativeLayerOps.decoder_layers
+    monkeypatch.setattr(NativeLayerOps, "decoder_layers",
+                        lambda self, *a: calls.append(tuple(c.index for c in a[0])) or original(self, *a))
     whole, whole_caches = _packed_runs(model, ids)
     fused_layers = list(calls)
     monkeypatch.setattr(NativeLayerOps, "whole_layer", staticmethod(lambda layer, rows: None))
     calls.clear()
     by_op, by_op_caches = _packed_runs(model, ids)
     assert not calls
-    if role == "drafter":  # all but the 19-row prefill: three forwards of two layers
-        assert fused_layers == [0, 1] * 3
+    if role == "drafter":  # all but the 19-row prefill: three forwards, both layers in one call each
+        assert fused_layers == [(0, 1)] * 3
     else:
         assert fused_layers == []
     _assert_same_runs((whole, whole_caches), (by_op, by_op_caches))
@@ -782,7 +837,7 @@ def test_attention_half_call_equals_the_attention_op_by_op(tmp_path, monkeypatch
     calls = []
     original = NativeLayerOps.attention_block
     monkeypatch.setattr(NativeLayerOps, "attention_block", lambda self, *a: calls.append(a[0].index) or original(self, *a))
-    monkeypatch.setattr(NativeLayerOps, "decoder_layer", lambda self, *a: pytest.fail("no layer runs whole"))
+    monkeypatch.setattr(NativeLayerOps, "decoder_layers", lambda self, *a: pytest.fail("no layer runs whole"))
     half, half_caches = _packed_runs(model, ids)
     assert calls == [0, 1] * 3  # all but the 19-row prefill (int8dyn throughout)
     monkeypatch.setattr(NativeLayerOps, "whole_layer", staticmethod(lambda layer, rows: None))
@@ -790,6 +845,33 @@ def test_attention_half_call_equals_the_attention_op_by_op(tmp_path, monkeypatch
     by_op, by_op_caches = _packed_runs(model, ids)
     assert not calls
     _assert_same_runs((half, half_caches), (by_op, by_op_caches))
+
+
+def test_whole_layers_run_in_one_call_up_to_a_layer_that_is_not_whole(tmp_path, monkeypatch):
+    """Consecutive whole layers are one native call (decoder_layers_); a layer whose MLP runs another
+    kernel at that row count splits the run: here layer 0's attention half, then layer 1 whole, with
+    logits, hidden states and caches equal to the op-by-op path's bit for bit."""
+    import specav.models.quant_choice as choice
+    from specav.models.layer_ops import NativeLayerOps
+
+    if not native.available():
+        pytest.skip(f"no native kernels: {native.unavailable_reason()}")
+    monkeypatch.setattr(choice, "measure", fake_measure)
+    model = load_quantized(write_tiny_gguf(tmp_path / "tiny.gguf"), "auto", tmp_path / "profile.json", role="drafter")
+    layer = model.decoder.layers[0]
+    for linear in (layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
+        linear._by_rows.update({rows: linear.packed["int8dyn"] for rows in (1, 3, 7)})
+    ids = torch.randint(2, VOCAB, (30,), generator=torch.Generator().manual_seed(0)).tolist()
+    calls = []
+    halves, stacks = NativeLayerOps.attention_block, NativeLayerOps.decoder_layers
+    monkeypatch.setattr(NativeLayerOps, "attention_block",
+                        lambda self, *a: calls.append(("half", a[0].index)) or halves(self, *a))
+    monkeypatch.setattr(NativeLayerOps, "decoder_layers",
+                        lambda self, *a: calls.append(("whole", *(c.index for c in a[0]))) or stacks(self, *a))
+    mixed, mixed_caches = _packed_runs(model, ids)
+    assert calls == [("half", 0), ("whole", 1)] * 3  # all but the 19-row prefill
+    monkeypatch.setattr(NativeLayerOps, "whole_layer", staticmethod(lambda layer, rows: None))
+    _assert_same_runs((mixed, mixed_caches), _packed_runs(model, ids))
 
 
 def test_loader_selects_the_quantized_path_by_dtype(tmp_path):

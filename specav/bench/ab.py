@@ -1,6 +1,7 @@
 """Benchmark: this checkout against another one (e.g. the main branch's previous kernels), in turns.
 
     python -m specav.bench.ab --other /work/main [--dtype auto] [--tokens 48] [--rounds 3] [--threads 2]
+                              [--role target|drafter] [--rows 1,5,16]
 
 Each checkout runs in its own worker process (its own `specav` on PYTHONPATH), both loaded side by
 side; the parent has them take turns, one greedy target-only decoding run (through the engine,
@@ -23,19 +24,23 @@ import sys
 from pathlib import Path
 
 ROWS = (1, 5, 16)
-CONTEXT = 128
 
 WORKER = r"""
 import json, sys, time, torch
 torch.set_num_threads(int(sys.argv[1]))
 from specav.models import load_checkpoint
 from specav.bench.quantized import decode, _prompts
-checkpoint = load_checkpoint("default", sys.argv[2], role="target")
+checkpoint = load_checkpoint("default", sys.argv[2], role=sys.argv[3])
+if sys.argv[3] == "drafter":
+    from specav.config import PACKAGED_SPECULATIVE
+    from specav.models.vocab_subset import apply_vocab_subset
+    if PACKAGED_SPECULATIVE.draft_vocab_size is not None:
+        apply_vocab_subset(checkpoint, PACKAGED_SPECULATIVE.draft_vocab_size)
 model = checkpoint.model
 prompts = _prompts(checkpoint.tokenizer, 1)
 gen = torch.Generator().manual_seed(0)
 context = torch.randint(0, model.vocab_size, (128,), generator=gen).tolist()
-cache = model.new_cache(128 + 16)
+cache = model.new_cache(128 + int(sys.argv[4]))
 model.forward([context], [cache], [0])
 print(json.dumps({"ready": True, "prompts": len(prompts)}), flush=True)
 for line in sys.stdin:
@@ -54,10 +59,11 @@ for line in sys.stdin:
 
 
 class Worker:
-    def __init__(self, tree: Path, dtype: str, threads: int) -> None:
+    def __init__(self, tree: Path, dtype: str, threads: int, role: str, max_rows: int) -> None:
         env = {**os.environ, "PYTHONPATH": str(tree)}
         self.tree = tree
-        self.proc = subprocess.Popen([sys.executable, "-c", WORKER, str(threads), dtype], cwd=tree, env=env,
+        self.proc = subprocess.Popen([sys.executable, "-c", WORKER, str(threads), dtype, role, str(max_rows)], cwd=tree,
+                                     env=env,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self.hello = self._read()
 
@@ -87,14 +93,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--role", choices=("target", "drafter"), default="target")
+    parser.add_argument("--rows", type=lambda s: tuple(int(n) for n in s.split(",")), default=ROWS,
+                        help="the packed forwards' row counts, comma-separated (default 1,5,16)")
     args = parser.parse_args(argv)
+    rows = args.rows
     trees = {"this": Path(__file__).resolve().parents[2], "other": args.other.resolve()}
     workers = {}
     try:
         for name, tree in trees.items():  # one at a time: loading is not what is measured
-            workers[name] = Worker(tree, args.dtype, args.threads)
+            workers[name] = Worker(tree, args.dtype, args.threads, args.role, max(rows))
         steps = {name: [] for name in workers}
-        forward = {name: {n: [] for n in ROWS} for name in workers}
+        forward = {name: {n: [] for n in rows} for name in workers}
         outputs = {name: [] for name in workers}
         for _ in range(args.rounds):
             for prompt in range(workers["this"].hello["prompts"]):
@@ -102,7 +112,7 @@ def main(argv: list[str] | None = None) -> None:
                     reply = w.ask(op="decode", prompt=prompt, tokens=args.tokens)
                     steps[name] += reply["steps"]
                     outputs[name].append(reply["tokens"])
-            for n in ROWS:
+            for n in rows:
                 for name, w in workers.items():
                     forward[name][n].append(w.ask(op="forward", rows=n)["seconds"])
     finally:
@@ -110,15 +120,16 @@ def main(argv: list[str] | None = None) -> None:
             w.close()
     tps = {name: 1.0 / statistics.median(s) for name, s in steps.items()}
     ms = {name: {n: 1e3 * statistics.median(t) for n, t in per.items()} for name, per in forward.items()}
-    print(f"{args.dtype}, {args.threads} threads, {args.rounds} rounds x {workers['this'].hello['prompts']} prompts "
+    print(f"{args.role}, {args.dtype}, {args.threads} threads, {args.rounds} rounds x {workers['this'].hello['prompts']} prompts "
           f"x {args.tokens} greedy tokens, in turns")
     for name, tree in trees.items():
-        cells = "  ".join(f"{n} rows {ms[name][n]:.1f} ms" for n in ROWS)
+        cells = "  ".join(f"{n} rows {ms[name][n]:.1f} ms" for n in rows)
+        ratios = ", ".join(f"{n} rows {ms[name][n] / ms[name][rows[0]]:.2f}x" for n in rows[1:])
         print(f"  {name:<5} {str(tree):<28} decode {tps[name]:6.2f} tok/s   forward {cells}   "
-              f"(5 rows {ms[name][5] / ms[name][1]:.2f}x, 16 rows {ms[name][16] / ms[name][1]:.2f}x one row)")
+              f"({ratios} the {rows[0]}-row forward)")
     same = sum(a == b for a, b in zip(outputs["this"], outputs["other"]))
     print(f"  this / other: decode {tps['this'] / tps['other']:.2f}x, forward "
-          + "  ".join(f"{n} rows {ms['other'][n] / ms['this'][n]:.2f}x faster" for n in ROWS)
+          + "  ".join(f"{n} rows {ms['other'][n] / ms['this'][n]:.2f}x faster" for n in rows)
           + f"; identical greedy outputs in {same} of {len(outputs['this'])} runs")
 
 

@@ -153,8 +153,8 @@ def forwards(models: dict, rows: tuple[int, ...], repeats: int) -> dict[str, dic
 
 
 class HalfBlockLayouts:
-    """A model's Q4_K weights that end in half a block, packed (the zero half left out: KQuantWeight)
-    or with that half restored (zeros, read for nothing): `use` puts either in place, each layout
+    """A model's Q4_K weights that end in half a block, packed (the zero half left out: KQuantWeight,
+    KQuantX8Weight) or with that half restored (zeros, read for nothing): `use` puts either in place, each layout
     with its own whole-layer calls (KQuantLayer's memo of them)."""
 
     def __init__(self, model) -> None:
@@ -163,8 +163,7 @@ class HalfBlockLayouts:
         self._layers = [m.kquant for m in model.hf_model.modules() if getattr(m, "kquant", None) is not None]
         self._layouts = {
             "trimmed": ([p.blocks for p in self.weights], [{} for _ in self._layers]),
-            "whole": ([torch.cat([p.blocks, p.blocks.new_zeros(p.blocks.shape[0], KQuantWeight.HALF_BYTES)], 1)
-                       for p in self.weights],
+            "whole": ([p.whole_blocks() for p in self.weights],
                       [{} for _ in self._layers])}
 
     def use(self, layout: str) -> None:

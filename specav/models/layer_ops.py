@@ -13,8 +13,9 @@ between its linear layers, both with transformers' Llama / Qwen2 semantics:
   tens, which is about a quarter of a quantized decoding forward (docs/quantized.md). Where
   the MLP has gate and up fused into one call (quant.FusedLinear), it uses that call. Where a
   layer's seven linears all run kquant at the forward's row count (quant.KQuantLayer), the
-  whole layer is one native call (`whole_layer`, `decoder_layer`; native/decoder.cpp): the same
-  functions in the same order, so the same numbers, without returning to Python between them.
+  whole layer is native (`whole_layer`; native/decoder.cpp), and consecutive such layers are one
+  call (`decoder_layers`): the same functions in the same order, so the same numbers, without
+  returning to Python between them.
 
 `layer_ops_for(model)` picks the native ops where they apply (float32 activations, SiLU
 gate, head dim a multiple of 8, native kernels built) and the torch ops elsewhere; the two
@@ -135,17 +136,19 @@ class NativeLayerOps:
         kquant = getattr(layer, "kquant", None)  # quant.KQuantLayer, on quantized models
         return None if kquant is None else kquant.at(rows)
 
-    def decoder_layer(self, call, h: torch.Tensor, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                      batch, heads: int) -> torch.Tensor:
-        """The whole layer in one native call: h (the residual stream) updated in place, each
-        request's new keys and values written into its cache; returns the next layer's normed input.
-        call: the layer's quant.WholeLayerCall; batch: the forward's requests (packed._Batch): their
-        caches' key and value tensors # [L, capacity, Hkv, D], the positions filled before this
-        forward, the new tokens."""
-        return self.native.decoder_layer_(
-            h, x, call.blocks, call.qtypes, call.biases, call.post_norm, call.post_eps, call.next_norm,
-            call.next_eps, *rope, batch.keys, batch.values, call.index, batch.cached, batch.lengths, heads,
-            call.scale)
+    def decoder_layers(self, calls, h: torch.Tensor, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                       batch, heads: int) -> torch.Tensor:
+        """Consecutive whole layers in one native call, each as decoder_layer_ runs it: h (the
+        residual stream) updated in place, each request's new keys and values written into its
+        cache; returns the normed input of the layer after the last. calls: the layers'
+        quant.WholeLayerCall, in order; batch: the forward's requests (packed._Batch): their caches'
+        key and value tensors # [L, capacity, Hkv, D], the positions filled before this forward,
+        the new tokens."""
+        return self.native.decoder_layers_(
+            h, x, [w for c in calls for w in c.blocks], [q for c in calls for q in c.qtypes],
+            [b for c in calls for b in c.biases], [c.post_norm for c in calls], [c.post_eps for c in calls],
+            [c.next_norm for c in calls], [c.next_eps for c in calls], *rope, batch.keys, batch.values,
+            [c.index for c in calls], batch.cached, batch.lengths, heads, [c.scale for c in calls])
 
     def attention_block(self, call, h: torch.Tensor, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                         batch, heads: int) -> torch.Tensor:

@@ -104,18 +104,25 @@ class PackedCausalLM:
         rope = self._rope(positions, max(c.length + n for c, n in zip(caches, lengths)), h.dtype)
         batch = _Batch(caches, lengths, ops)
         x = ops.norm(layers[0].input_layernorm, h)
-        for i, layer in enumerate(layers):  # each norm is fused with the residual add before it
-            call = ops.whole_layer(layer, h.shape[0])  # the layer, or its attention half, in one native call
-            if call is not None and call.mlp:
-                x = ops.decoder_layer(call, h, x, rope, batch, self.num_heads)
+        calls = [ops.whole_layer(layer, h.shape[0]) for layer in layers]  # each layer, or its attention half, native
+        i = 0
+        while i < len(layers):  # each norm is fused with the residual add before it
+            end = i
+            while end < len(layers) and calls[end] is not None and calls[end].mlp:
+                end += 1
+            if end > i:  # whole layers i .. end - 1 in one native call
+                x = ops.decoder_layers(calls[i:end], h, x, rope, batch, self.num_heads)
+                i = end
                 continue
+            layer = layers[i]
             next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.decoder.norm
-            if call is not None:
-                x = ops.attention_block(call, h, x, rope, batch, self.num_heads)
+            if calls[i] is not None:
+                x = ops.attention_block(calls[i], h, x, rope, batch, self.num_heads)
             else:
                 h, x = ops.add_norm(h, self._attention(layer.self_attn, x, rope, batch, i),
                                     layer.post_attention_layernorm)
             h, x = ops.add_norm(h, ops.mlp(layer.mlp, x), next_norm)
+            i += 1
         for cache, n in zip(caches, lengths):
             cache.advance(n)
 

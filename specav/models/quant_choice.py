@@ -15,9 +15,9 @@ kernel profile that `auto` chooses from.
   in `<cache>/kernel-profile.json` under a key naming the CPU, the torch version and the
   native kernels' build (variant and source hash; delete the file to measure again);
   `profile()` returns them.
-- `auto` for a drafter (`NativeDrafter`, where the native kernels run): every layer on kquant,
-  the file's Q5_0 / Q8_0 weights requantised to Q4_K at load (drafter precision never touches
-  losslessness); nothing is measured.
+- `auto` for a drafter (`NativeDrafter`, where the native kernels run): every layer on the native
+  kernel (kquant_x8 where it lays the weight out, else kquant), the file's Q5_0 / Q8_0 weights
+  requantised to Q4_K at load (drafter precision never touches losslessness); nothing is measured.
 
 Why one thread: on a shared 2-core machine, a 2-thread kernel call of about a millisecond
 waits for a descheduled thread most of the time, so 2-thread timings come out as
@@ -55,7 +55,7 @@ from specav.models import native
 from specav.models.cache import atomic_write, write_error
 from specav.models.native.probe import cpu_model
 from specav.models.quant_formats import GGUFWeight, requantize_q4_k
-from specav.models.quant_kernels import KERNELS, Int4Weight, KQuantWeight, PackedWeight
+from specav.models.quant_kernels import KERNELS, Int4Weight, KQuantWeight, KQuantX8Weight, PackedWeight
 
 ROW_BUCKETS = (1, 4, 16, 64)
 _PASSES = (4, 3)  # repeats per pass: 7 samples of each (kernel, rows), in two bursts seconds apart
@@ -127,7 +127,7 @@ def _remove_other_builds(directory: Path) -> None:
 
 
 class NativeDrafter:
-    """`auto` for a drafter: the native kernel for the head and for every layer up to
+    """`auto` for a drafter: the native kernel (kquant_x8 or kquant) for the head and for every layer up to
     DRAFTER_NATIVE_ROWS rows (drafting: one row per drafting request), its Q5_0 / Q8_0 (and any
     other non-k-quant) weights requantised to Q4_K at load; fbgemm's int8dyn for the layers beyond
     (the prefill of a prompt, the catch-up of a request that resumes drafting: on kquant alone the
@@ -170,9 +170,14 @@ class NativeDrafter:
         return q4k
 
     def plan(self, weight: GGUFWeight, head: bool = False) -> KernelPlan:
+        """kquant_x8 where it lays the weight out (Q4_K, N % 8 == 0: every layer and the head of the
+        packaged drafter), else kquant. On the Zen 4 EPYC (docs/quantized.md) the drafter's forward
+        took 0.97-1.02x kquant's time at one row and 0.87x / 0.81x at 2 / 4 rows (several requests
+        drafting at once, a catch-up)."""
+        kernel = "kquant_x8" if KQuantX8Weight.fits(weight.qtype, weight.shape) else "kquant"
         if head:
-            return KernelPlan((1,), ("kquant",))
-        return KernelPlan((1, DRAFTER_NATIVE_ROWS ** 2), ("kquant", "int8dyn"))  # nearest in log rows
+            return KernelPlan((1,), (kernel,))
+        return KernelPlan((1, DRAFTER_NATIVE_ROWS ** 2), (kernel, "int8dyn"))  # nearest in log rows
 
 
 class MeasuredChoice:
@@ -230,19 +235,20 @@ def policy_for(mode: str, role: str, cache_path: Path | None) -> Policy:
         return NativeDrafter(cache_path)
     return POLICIES[mode](cache_path)
 SECOND_KERNEL_GAIN = 1.1  # a second kernel takes a row count only where it is >10% faster
-ONE_ROW_KQUANT_WITHIN = 1.5  # at one row, kquant runs where it is within this factor of the fastest
+ONE_ROW_KQUANT_WITHIN = 1.5  # at one row, kquant (or kquant_x8) runs where within this factor of the fastest
 
 
 def plan_from_times(times: dict[str, list[float]]) -> KernelPlan:
     """At most two kernels: the main one (smallest total of times relative to the fastest at
     each row count) and the one second kernel that lowers that total most.
 
-    At one row (decoding, drafting) kquant runs wherever it is within ONE_ROW_KQUANT_WITHIN of the
-    fastest kernel and no third kernel would be kept for it: where all seven linears of a layer
-    run kquant, the layer is one native call (layer_ops.py, native/decoder.cpp), a saving per
-    layer that the per-shape timings do not see (on the AVX2 EPYC, whose one-thread timings put
-    kquant within 1-21% of int8dyn at one row on the MLP shapes, the target's one-row forward
-    took 0.59-0.67x the time it took with the per-shape choice; docs/quantized.md).
+    At one row (decoding, drafting) a kernel of the whole-layer call (kquant or kquant_x8, the
+    faster of them) runs wherever it is within ONE_ROW_KQUANT_WITHIN of the fastest kernel and no
+    third kernel would be kept for it: where all seven linears of a layer run these, the layer is
+    one native call (layer_ops.py, native/decoder.cpp), a saving per layer that the per-shape
+    timings do not see (on the AVX2 EPYC, whose one-thread timings put kquant within 1-21% of
+    int8dyn at one row on the MLP shapes, the target's one-row forward took 0.59-0.67x the time it
+    took with the per-shape choice; docs/quantized.md).
 
     times: kernel -> milliseconds at each of ROW_BUCKETS.
     """
@@ -257,9 +263,11 @@ def plan_from_times(times: dict[str, list[float]]) -> KernelPlan:
         [alt if times[main][i] > SECOND_KERNEL_GAIN * times[alt][i] else main for i in buckets]
         for alt in times if alt != main]
     kernels = min(plans, key=cost)
-    if ("kquant" in times and times["kquant"][0] <= ONE_ROW_KQUANT_WITHIN * fastest[0]
-            and len({*kernels, "kquant"}) <= 2):
-        kernels = ["kquant", *kernels[1:]]
+    whole_layer = [k for k in times if issubclass(KERNELS[k], KQuantWeight)]  # what KQuantLayer takes
+    if whole_layer and kernels[0] not in whole_layer:
+        one_row = min(whole_layer, key=lambda k: times[k][0])
+        if times[one_row][0] <= ONE_ROW_KQUANT_WITHIN * fastest[0] and len({*kernels, one_row}) <= 2:
+            kernels = [one_row, *kernels[1:]]
     return KernelPlan(ROW_BUCKETS, tuple(kernels))
 
 

@@ -227,6 +227,13 @@ class KQuantWeight(PackedWeight):
         """Whether each row ends in a Q4_K block's first half (pack left its zero half out)."""
         return self.qtype == T.Q4_K and self.blocks.shape[1] % self.Q4_K_BYTES == self.Q4_K_BYTES - self.HALF_BYTES
 
+    def whole_blocks(self) -> torch.Tensor:
+        """`blocks` with a last half block's zero half restored (what the kernel reads for nothing
+        where pack keeps it: bench native times both)."""
+        if not self.ends_in_half_block:
+            return self.blocks
+        return torch.cat([self.blocks, self.blocks.new_zeros(self.blocks.shape[0], self.HALF_BYTES)], 1)
+
     @property
     def native_type(self) -> int:
         """The type code kq_matmul (and the whole-layer call) takes for `blocks`: the GGUF type's."""
@@ -255,13 +262,16 @@ class KQuantX8Weight(KQuantWeight):
     """The native kernel on Q4_K repacked at load with 8 output features interleaved (native/kquant.cpp,
     kq_matmul's type 112, `x8_tile`): the file's codes and scales, 4.6 bits per weight, laid out so
     that a row needs no horizontal sums and each sub-block's scales apply to 8 features at once:
-    several rows cost about as much as an int8 GEMM's, one row about as much as kquant's
-    (docs/quantized.md). Q4_K with N a multiple of 8 and K of 256. A kquant weight to every caller
-    (`blocks`, `native_type`): fused calls and the whole-layer call take either layout."""
+    several rows cost about as much as an int8 GEMM's, one row about as much as kquant's or less
+    (docs/quantized.md). Q4_K with N a multiple of 8; K a multiple of 256, or padded to one
+    (requantize_q4_k: the drafter's K = 896), where a last half block keeps only its first half
+    of codes (as kquant's). A kquant weight to every caller (`blocks`, `native_type`): fused calls
+    and the whole-layer call take either layout."""
 
     kernel = "kquant_x8"
     exact_types = frozenset({T.Q4_K})
     NATIVE_TYPE = 112  # kquant.cpp's kQ4KX8
+    GROUP_BYTES, HALF_GROUP_BYTES = 1184, 672  # 8 features' block; its half (codes of sub-blocks 0-3)
 
     @classmethod
     def fits(cls, qtype: T, shape: tuple[int, int]) -> bool:
@@ -269,19 +279,28 @@ class KQuantX8Weight(KQuantWeight):
 
     @classmethod
     def _lays_out(cls, qtype: T, shape: tuple[int, int]) -> bool:
-        return qtype in cls.exact_types and shape[0] % 8 == 0 and shape[1] % 256 == 0
+        """Q4_K blocks always span 256 columns: a K that is no multiple of 256 comes padded."""
+        return qtype in cls.exact_types and shape[0] % 8 == 0
 
     @classmethod
     def pack(cls, weight: GGUFWeight, ops=None) -> KQuantX8Weight:
-        if not cls._lays_out(weight.qtype, weight.shape) or not native.available() and ops is None:
+        padded = weight.blocks.shape[1] == -(-weight.shape[1] // 256) * cls.Q4_K_BYTES
+        if not cls._lays_out(weight.qtype, weight.shape) or not padded or not native.available() and ops is None:
             raise ValueError(f"kquant_x8 cannot run {weight.name} ({weight.qtype.name}, {weight.shape}): "
-                             f"{native.unavailable_reason() or 'only Q4_K with N % 8 == 0 and K % 256 == 0'}")
+                             f"{native.unavailable_reason() or 'only Q4_K with N % 8 == 0'}")
         return cls(weight.qtype, torch.from_numpy(interleave_q4_k(weight)), weight.shape,
                    ops if ops is not None else native.ops())
 
     @property
     def ends_in_half_block(self) -> bool:
-        return False
+        return self.blocks.shape[1] % self.GROUP_BYTES == self.HALF_GROUP_BYTES
+
+    def whole_blocks(self) -> torch.Tensor:
+        if not self.ends_in_half_block:
+            return self.blocks
+        codes = self.blocks.shape[1] - (self.HALF_GROUP_BYTES - 512)  # the last block's scales follow its codes
+        zeros = self.blocks.new_zeros(self.blocks.shape[0], self.GROUP_BYTES - self.HALF_GROUP_BYTES)
+        return torch.cat([self.blocks[:, :codes], zeros, self.blocks[:, codes:]], 1)
 
     @property
     def native_type(self) -> int:
@@ -289,12 +308,14 @@ class KQuantX8Weight(KQuantWeight):
 
 
 def interleave_q4_k(weight: GGUFWeight) -> np.ndarray:
-    """Q4_K blocks # [N, K / 256 * 144] -> kq_matmul's interleaved layout (type 112) # [N / 8, K / 256 *
-    1184] uint8 (native/kquant.cpp, x8_tile): per group of 8 features and block, codes 1024 bytes
-    (vector v, feature n: byte i = code 8v + i | code 8v + 4 + i << 4), sc [j][n], m [p][n][2]
-    (m_2p, m_2p+1), d [n] and dmin [n] as the file's float16."""
+    """Q4_K blocks # [N, nb * 144] -> kq_matmul's interleaved layout (type 112) # [N / 8, nb * 1184]
+    uint8 (native/kquant.cpp, x8_tile): per group of 8 features and block, codes 1024 bytes (vector
+    v, feature n: byte i = code 8v + i | code 8v + 4 + i << 4), sc [j][n], m [p][n][2] (m_2p,
+    m_2p+1), d [n] and dmin [n] as the file's float16. Where K ends in the first half of the last
+    block (K mod 256 in 1..128: zero weights after it), that block keeps only its first 512 bytes
+    of codes: # [N / 8, nb * 1184 - 512]."""
     n, k = weight.shape
-    g, nb = n // 8, k // 256
+    g, nb = n // 8, -(-k // 256)
     blocks = np.ascontiguousarray(weight.blocks).reshape(n, nb, 144)
     codes = (blocks[..., 16:].reshape(n, nb, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(2, 1)) & 0x0F
     codes = codes.reshape(g, 8, nb, 32, 2, 4)  # [group, feature, block, v, low/high half of 8 codes, i]
@@ -303,9 +324,13 @@ def interleave_q4_k(weight: GGUFWeight) -> np.ndarray:
     sc = sc.reshape(g, 8, nb, 8).transpose(0, 2, 3, 1)  # [g, nb, j, feature]
     m = m.reshape(g, 8, nb, 4, 2).transpose(0, 2, 3, 1, 4)  # [g, nb, p, feature, 2]
     d = blocks[..., 0:4].reshape(g, 8, nb, 2, 2).transpose(0, 2, 3, 1, 4)  # [g, nb, d / dmin, feature, 2 bytes]
-    parts = [nibbles.reshape(g, nb, 1024), sc.astype(np.uint8).reshape(g, nb, 64),
-             m.astype(np.uint8).reshape(g, nb, 64), d.reshape(g, nb, 32)]
-    return np.ascontiguousarray(np.concatenate(parts, axis=2).reshape(g, nb * 1184))
+    nibbles = nibbles.reshape(g, nb, 1024)
+    scales = np.concatenate([sc.astype(np.uint8).reshape(g, nb, 64), m.astype(np.uint8).reshape(g, nb, 64),
+                             d.reshape(g, nb, 32)], axis=2)  # [g, nb, 160]
+    if not 0 < k % 256 <= 128:
+        return np.ascontiguousarray(np.concatenate([nibbles, scales], axis=2).reshape(g, nb * 1184))
+    whole = np.concatenate([nibbles[:, :-1], scales[:, :-1]], axis=2).reshape(g, (nb - 1) * 1184)
+    return np.ascontiguousarray(np.concatenate([whole, nibbles[:, -1, :512], scales[:, -1]], axis=1))
 
 
 KERNELS: dict[str, type[PackedWeight]] = {

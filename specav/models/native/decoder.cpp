@@ -103,6 +103,31 @@ at::Tensor decoder_layer_(at::Tensor& h, const at::Tensor& x, at::TensorList wei
   return ops::add_rms_norm_(h, down, next_norm, next_eps);
 }
 
+// Consecutive whole layers in one call: layer i of layers.size() as decoder_layer_ with weights,
+// qtypes and biases 7i .. 7i + 6, post_norms[i], next_norms[i] (and their epsilons), layers[i] (its
+// slot in each cache) and scales[i]; returns the last layer's normed output. A one-row forward of
+// the packaged drafter is 24 layers of a few hundred microseconds each, and each return to Python
+// between them (the loop, the next call's arguments) cost tens of microseconds.
+at::Tensor decoder_layers_(at::Tensor& h, const at::Tensor& x, at::TensorList weights, at::IntArrayRef qtypes,
+                           const c10::List<std::optional<at::Tensor>>& biases, at::TensorList post_norms,
+                           at::ArrayRef<double> post_eps, at::TensorList next_norms, at::ArrayRef<double> next_eps,
+                           const at::Tensor& cos, const at::Tensor& sin, at::TensorList cache_keys,
+                           at::TensorList cache_values, at::IntArrayRef layers, at::IntArrayRef cached,
+                           at::IntArrayRef lengths, int64_t heads, at::ArrayRef<double> scales) {
+  const size_t n = layers.size();
+  TORCH_CHECK(n >= 1 && weights.size() == 7 * n && qtypes.size() == 7 * n && biases.size() == 7 * n &&
+                  post_norms.size() == n && post_eps.size() == n && next_norms.size() == n && next_eps.size() == n &&
+                  scales.size() == n,
+              "per layer: 7 weights, qtypes and biases (q, k, v, o, gate, up, down), two norms, two epsilons and a scale");
+  at::Tensor out = x;
+  for (size_t i = 0; i < n; ++i) {
+    out = decoder_layer_(h, out, weights.slice(7 * i, 7), qtypes.slice(7 * i, 7), some(biases, 7 * i, 7), post_norms[i],
+                         post_eps[i], next_norms[i], next_eps[i], cos, sin, cache_keys, cache_values, layers[i], cached,
+                         lengths, heads, scales[i]);
+  }
+  return out;
+}
+
 }  // namespace
 
 SPECAV_FRAGMENT(m) {
@@ -112,9 +137,13 @@ SPECAV_FRAGMENT(m) {
   m.def("decoder_layer_(Tensor(a!) h, Tensor x, Tensor[] weights, int[] qtypes, Tensor?[] biases, Tensor post_norm, "
         "float post_eps, Tensor next_norm, float next_eps, Tensor cos, Tensor sin, Tensor[] cache_keys, "
         "Tensor[] cache_values, int layer, int[] cached, int[] lengths, int heads, float scale) -> Tensor");
+  m.def("decoder_layers_(Tensor(a!) h, Tensor x, Tensor[] weights, int[] qtypes, Tensor?[] biases, Tensor[] post_norms, "
+        "float[] post_eps, Tensor[] next_norms, float[] next_eps, Tensor cos, Tensor sin, Tensor[] cache_keys, "
+        "Tensor[] cache_values, int[] layers, int[] cached, int[] lengths, int heads, float[] scales) -> Tensor");
 }
 
 SPECAV_IMPL(m) {
   m.impl("attention_block_", &attention_block_);
   m.impl("decoder_layer_", &decoder_layer_);
+  m.impl("decoder_layers_", &decoder_layers_);
 }

@@ -129,6 +129,9 @@ inline void finish(const __m256 (&acc)[R], bool last, float* state, float* out, 
 //                 (low nibbles) and 8v + 4 .. 8v + 7 (high nibbles)
 //   sc        64  [sub-block j][feature n] u8        m  64  [pair p][feature n][2] u8: m_2p, m_2p+1
 //   d         16  [feature n] f16                 dmin  16  [feature n] f16
+// Where x's width ends in the first half of the last block (weights requantised with K padded,
+// the drafter's K = 896), that block may hold only its first 16 vectors of codes (sub-blocks 0-3)
+// before its scales: 672 bytes, the other half being zero weights against zero activations.
 // A vector's lanes are the 8 features, so a row needs no horizontal sums: 4 activation bytes,
 // broadcast, meet 4 codes of every feature in one u8 x s8 dot (dot4), a sub-block's sums (8 of
 // them, 32 codes) take the features' scales in one multiply, and the min term is 4 dot2 of the
@@ -136,60 +139,70 @@ inline void finish(const __m256 (&acc)[R], bool last, float* state, float* out, 
 // then d dx and dmin dx in float; each row's sums in the same order whatever the tile.
 namespace {
 
-constexpr int64_t kX8Features = 8, kX8Bytes = 1184;
-constexpr int64_t kX8Sc = 1024, kX8Mins = 1088, kX8D = 1152, kX8Dmin = 1168;
+constexpr int64_t kX8Features = 8, kX8Bytes = 1184, kX8HalfBytes = 672;
 
-// Blocks b0 .. b1 - 1 of one group of features (w: the group's first block) against R rows; the
-// rows' partial sums wait in state (8 floats a row) between segments of blocks; after the last
-// block, out[r][0..7] = the sums + bias.
-template <int R>
-void x8_tile(const uint8_t* w, int64_t b0, int64_t b1, bool last, const int8_t* const* xq, const float* const* dx,
-             const int16_t* const* s32, float* state, float* const* out, const float* bias) {
+// acc[r] += block b of one group of features (w: the block, its codes first, its scales at codes
+// bytes) against R rows; J sub-blocks of codes (8, or 4 in a half block).
+template <int R, int J>
+inline void x8_block(const uint8_t* w, int64_t b, const int8_t* const* xq, const float* const* dx,
+                     const int16_t* const* s32, __m256 (&acc)[R]) {
+  constexpr int64_t kSc = 128 * J, kMins = kSc + 64, kD = kSc + 128, kDmin = kSc + 144;
   const __m256i low4 = _mm256_set1_epi8(0x0F);
+  __m256i isum[R], msum[R];
+  for (int r = 0; r < R; ++r) isum[r] = msum[r] = _mm256_setzero_si256();
+  for (int j = 0; j < J; ++j) {  // sub-block j: vectors 4j .. 4j + 3
+    __m256i lo_sum[R], hi_sum[R];  // two chains a row: low and high nibbles
+    for (int r = 0; r < R; ++r) lo_sum[r] = hi_sum[r] = _mm256_setzero_si256();
+    for (int q = 0; q < 4; ++q) {
+      const int v = 4 * j + q;
+      const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * v));
+      const __m256i lo = _mm256_and_si256(bytes, low4), hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4);
+      for (int r = 0; r < R; ++r) {
+        int32_t x0, x1;
+        std::memcpy(&x0, xq[r] + b * 256 + 8 * v, 4);
+        std::memcpy(&x1, xq[r] + b * 256 + 8 * v + 4, 4);
+        lo_sum[r] = dot4(lo_sum[r], lo, _mm256_set1_epi32(x0));
+        hi_sum[r] = dot4(hi_sum[r], hi, _mm256_set1_epi32(x1));
+      }
+    }
+    const __m256i sc = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + kSc + 8 * j)));
+    for (int r = 0; r < R; ++r) isum[r] = _mm256_add_epi32(isum[r], _mm256_mullo_epi32(_mm256_add_epi32(lo_sum[r], hi_sum[r]), sc));
+  }
+  for (int p = 0; p < J / 2; ++p) {  // the min term: m_2p s_2p + m_2p+1 s_2p+1 per feature
+    const __m256i m = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + kMins + 16 * p)));
+    for (int r = 0; r < R; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, s32[r] + b * 8 + 2 * p, 4);
+      msum[r] = dot2(msum[r], m, _mm256_set1_epi32(pair));
+    }
+  }
+  const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + kD)));
+  const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + kDmin)));
+  for (int r = 0; r < R; ++r) {  // acc += d dx isum - dmin dx msum
+    const __m256 vdx = _mm256_broadcast_ss(dx[r] + b);
+    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_mul_ps(d, vdx), acc[r]);
+    acc[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(msum[r]), _mm256_mul_ps(dmin, vdx), acc[r]);
+  }
+}
+
+// Blocks b0 .. b1 - 1 of one group of features (w: the group's first block; `half`: its last
+// block, nb - 1, is a half block) against R rows; the rows' partial sums wait in state (8 floats
+// a row) between segments of blocks; after the last block, out[r][0..7] = the sums + bias.
+template <int R>
+void x8_tile(const uint8_t* w, int64_t b0, int64_t b1, int64_t nb, bool half, const int8_t* const* xq,
+             const float* const* dx, const int16_t* const* s32, float* state, float* const* out, const float* bias) {
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = b0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(state + 8 * r);
+  const int64_t full_end = half && b1 == nb ? nb - 1 : b1;
   w += b0 * kX8Bytes;
-  for (int64_t b = b0; b < b1; ++b, w += kX8Bytes) {
+  for (int64_t b = b0; b < full_end; ++b, w += kX8Bytes) {
     // The weights 2 KiB ahead, non-temporal: they pass through the L1 cache once and leave the rows'
     // activations there (a prefetch into every level, kquant's, did not help here).
     for (int64_t o = 0; o < kX8Bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(w) + 2048 + o, _MM_HINT_NTA);
-    __m256i isum[R], msum[R];
-    for (int r = 0; r < R; ++r) isum[r] = msum[r] = _mm256_setzero_si256();
-    for (int j = 0; j < 8; ++j) {  // sub-block j: vectors 4j .. 4j + 3
-      __m256i lo_sum[R], hi_sum[R];  // two chains a row: low and high nibbles
-      for (int r = 0; r < R; ++r) lo_sum[r] = hi_sum[r] = _mm256_setzero_si256();
-      for (int q = 0; q < 4; ++q) {
-        const int v = 4 * j + q;
-        const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * v));
-        const __m256i lo = _mm256_and_si256(bytes, low4), hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4);
-        for (int r = 0; r < R; ++r) {
-          int32_t x0, x1;
-          std::memcpy(&x0, xq[r] + b * 256 + 8 * v, 4);
-          std::memcpy(&x1, xq[r] + b * 256 + 8 * v + 4, 4);
-          lo_sum[r] = dot4(lo_sum[r], lo, _mm256_set1_epi32(x0));
-          hi_sum[r] = dot4(hi_sum[r], hi, _mm256_set1_epi32(x1));
-        }
-      }
-      const __m256i sc = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + kX8Sc + 8 * j)));
-      for (int r = 0; r < R; ++r) isum[r] = _mm256_add_epi32(isum[r], _mm256_mullo_epi32(_mm256_add_epi32(lo_sum[r], hi_sum[r]), sc));
-    }
-    for (int p = 0; p < 4; ++p) {  // the min term: m_2p s_2p + m_2p+1 s_2p+1 per feature
-      const __m256i m = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + kX8Mins + 16 * p)));
-      for (int r = 0; r < R; ++r) {
-        int32_t pair;
-        std::memcpy(&pair, s32[r] + b * 8 + 2 * p, 4);
-        msum[r] = dot2(msum[r], m, _mm256_set1_epi32(pair));
-      }
-    }
-    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + kX8D)));
-    const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + kX8Dmin)));
-    for (int r = 0; r < R; ++r) {  // acc += d dx isum - dmin dx msum
-      const __m256 vdx = _mm256_broadcast_ss(dx[r] + b);
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_mul_ps(d, vdx), acc[r]);
-      acc[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(msum[r]), _mm256_mul_ps(dmin, vdx), acc[r]);
-    }
+    x8_block<R, 8>(w, b, xq, dx, s32, acc);
   }
-  if (!last) {
+  if (full_end < b1) x8_block<R, 4>(w, nb - 1, xq, dx, s32, acc);
+  if (b1 < nb) {
     for (int r = 0; r < R; ++r) _mm256_storeu_ps(state + 8 * r, acc[r]);
     return;
   }
@@ -281,9 +294,11 @@ int64_t block_bytes(int64_t qtype) {
 }
 
 // The weights of a kq_matmul call in the interleaved layout (type kQ4KX8), against rows of `a`:
-// outputs yp[i] (rows x ns[i]) of each such weight i.
+// outputs yp[i] (rows x ns[i]) of each such weight i, its groups of 8 features row_bytes[i] apart
+// (half[i]: each group's last block is a half block).
 void x8_matmuls(const Activations& a, int64_t rows, const std::vector<int64_t>& which, const std::vector<const uint8_t*>& wp,
-                const std::vector<const float*>& bp, const std::vector<float*>& yp, const std::vector<int64_t>& ns) {
+                const std::vector<const float*>& bp, const std::vector<float*>& yp, const std::vector<int64_t>& ns,
+                const std::vector<int64_t>& row_bytes, const std::vector<char>& half) {
   const int64_t nb = a.nb;
   const int8_t* xq = a.xq.data_ptr<int8_t>();
   const float* dx = a.dx.data_ptr<float>();
@@ -318,7 +333,7 @@ void x8_matmuls(const Activations& a, int64_t rows, const std::vector<int64_t>& 
               sr[r] = sp + (r0 + r) * (a.kp / 32);
               out[r] = yp[i] + (r0 + r) * ns[i] + g * kX8Features;
             }
-            x8_tile<R>(wp[i] + g * nb * kX8Bytes, b0, b1, b1 == nb, xr, dr, sr, state.data() + ((g - g0) * rows + r0) * 8, out,
+            x8_tile<R>(wp[i] + g * row_bytes[i], b0, b1, nb, half[i], xr, dr, sr, state.data() + ((g - g0) * rows + r0) * 8, out,
                        bp[i] ? bp[i] + g * kX8Features : nullptr);
           });
         }
@@ -350,18 +365,16 @@ std::vector<at::Tensor> kq_matmul(const at::Tensor& x, at::TensorList weights, a
   for (int64_t i = 0; i < n_weights; ++i) {
     const at::Tensor& w = weights[i];
     const int64_t bytes = block_bytes(qtypes[i]);
-    half[i] = half_block && qtypes[i] == kQ4K && w.dim() == 2 && w.size(1) == nb * bytes - 64;
-    row_bytes[i] = nb * bytes - (half[i] ? 64 : 0);
-    if (qtypes[i] == kQ4KX8) {
-      TORCH_CHECK(k % kBlock == 0 && w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous() && w.size(1) == row_bytes[i],
-                  "interleaved Q4_K weight ", i, " must be a contiguous [N / 8, ", nb, " * ", kX8Bytes,
-                  "] uint8 tensor (KQuantX8Weight) for K = ", k, " (a multiple of 256), got ", w.sizes());
-    } else {
-      TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous() && w.size(1) == row_bytes[i],
-                  "weight ", i, " must be a contiguous [N, ", nb, " * ", bytes, "] uint8 tensor of blocks for K = ", k,
-                  " (its K may be padded to a multiple of 256", half_block && qtypes[i] == kQ4K ?
-                  ", or, Q4_K, end in the last block's first 80 bytes" : "", "), got ", w.sizes());
-    }
+    // A Q4_K row (or group of 8 interleaved rows) may end in half a block: 64 (512) bytes fewer.
+    const int64_t half_bytes = qtypes[i] == kQ4K ? 64 : qtypes[i] == kQ4KX8 ? kX8Bytes - kX8HalfBytes : 0;
+    half[i] = half_block && half_bytes && w.dim() == 2 && w.size(1) == nb * bytes - half_bytes;
+    row_bytes[i] = nb * bytes - (half[i] ? half_bytes : 0);
+    TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous() && w.size(1) == row_bytes[i],
+                qtypes[i] == kQ4KX8 ? "interleaved Q4_K weight " : "weight ", i, " must be a contiguous [",
+                qtypes[i] == kQ4KX8 ? "N / 8" : "N", ", ", nb, " * ", bytes, "] uint8 tensor",
+                qtypes[i] == kQ4KX8 ? " (KQuantX8Weight)" : " of blocks", " for K = ", k,
+                " (its K may be padded to a multiple of 256", half_block && half_bytes ?
+                ", and end in the last block's first half" : "", "), got ", w.sizes());
     ns[i] = qtypes[i] == kQ4KX8 ? w.size(0) * kX8Features : w.size(0);
     const std::optional<at::Tensor> b = biases.get(i);
     TORCH_CHECK(!b || (b->dim() == 1 && b->size(0) == ns[i] && b->scalar_type() == at::kFloat && b->is_contiguous()),
@@ -440,7 +453,7 @@ std::vector<at::Tensor> kq_matmul(const at::Tensor& x, at::TensorList weights, a
       }
     }
   });
-  if (!interleaved.empty()) x8_matmuls(a, rows, interleaved, wp, bp, yp, ns);
+  if (!interleaved.empty()) x8_matmuls(a, rows, interleaved, wp, bp, yp, ns, row_bytes, half);
   return ys;
 }
 
