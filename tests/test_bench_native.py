@@ -17,7 +17,7 @@ from specav.models.vocab_subset import set_head, subset_head
 from tests.test_quant import FFN, HEADS, HIDDEN, KV_HEADS, LAYERS, VOCAB, write_tiny_gguf
 
 
-def test_layer_calls_times_both_ways_and_counts_the_layers(tmp_path, capsys, monkeypatch):
+def test_layer_calls_times_three_ways_and_counts_the_layers(tmp_path, capsys, monkeypatch):
     if not native.available():
         pytest.skip(f"no native kernels: {native.unavailable_reason()}")
     model = load_quantized(write_tiny_gguf(tmp_path / "tiny.gguf"), "auto", None, role="drafter")
@@ -25,15 +25,17 @@ def test_layer_calls_times_both_ways_and_counts_the_layers(tmp_path, capsys, mon
     calls = []
     original = NativeLayerOps.decoder_layers
     monkeypatch.setattr(NativeLayerOps, "decoder_layers",
-                        lambda self, *a: calls.extend(c.index for c in a[0]) or original(self, *a))
-    whole_layer = NativeLayerOps.__dict__["whole_layer"]
+                        lambda self, *a: calls.append(tuple(c.index for c in a[0])) or original(self, *a))
+    whole_layer, recording = NativeLayerOps.__dict__["whole_layer"], NativeLayerOps.__dict__["decoder_layers"]
     bench_native.layer_calls({"drafter": model}, repeats=3)
     out = capsys.readouterr().out
-    assert "drafter: each layer one call" in out and "op by op" in out
-    assert "2 of 2 layers run as one call at one row" in out
-    assert NativeLayerOps.__dict__["whole_layer"] is whole_layer  # the switch is undone
+    assert "drafter: the layers in one call" in out and "a call per layer" in out and "op by op" in out
+    assert "2 of 2 layers run whole at one row" in out
+    assert NativeLayerOps.__dict__["whole_layer"] is whole_layer  # the switches are undone
+    assert NativeLayerOps.__dict__["decoder_layers"] is recording
     warmup = ThreadChoice.warmup_forwards(torch.get_num_threads())
-    assert calls == [0, 1] * (3 + warmup)  # one-call forwards only in the "whole" turns
+    # per round: both layers in one call, then one call each (the patched per-layer way calls through)
+    assert sorted(calls) == sorted([(0, 1)] * (3 + warmup) + [(0,), (1,)] * (3 + warmup))
 
 
 def test_a_drafter_whose_width_ends_in_half_a_block_computes_the_same_with_the_zero_halves_read(tmp_path):

@@ -289,28 +289,44 @@ def schedule_table(target, repeats: int) -> None:
 
 
 def layer_calls(models: dict, repeats: int) -> None:
-    """One-row forwards with each layer as one native call and op by op, in turns."""
+    """One-row forwards with the layers in one native call (consecutive whole layers,
+    decoder_layers_), one call per layer, and op by op, in turns."""
     gen = torch.Generator().manual_seed(1)
     warmup = ThreadChoice.warmup_forwards(torch.get_num_threads())
+    ways = {"one call": contextlib.nullcontext, "a call per layer": _call_per_layer, "op by op": _op_by_op}
     print(f"\nlayers: one-row forward, {CONTEXT}-token context, ms (median of {repeats}, in turns)")
     for name, m in models.items():
         context = torch.randint(0, m.vocab_size, (CONTEXT,), generator=gen).tolist()
         cache = m.new_cache(CONTEXT + 1)
         m.forward([context], [cache], [0])
-        times = {"whole": [], "op by op": []}
+        times = {way: [] for way in ways}
         for i in range(repeats + warmup):
-            for way in (("whole", "op by op") if i % 2 == 0 else ("op by op", "whole")):
-                with _op_by_op() if way == "op by op" else contextlib.nullcontext():
+            for way in (list(ways) if i % 2 == 0 else list(ways)[::-1]):
+                with ways[way]():
                     times[way].append(time_forward(m, cache, [int(context[i % CONTEXT])]))
-        whole, by_op = (statistics.median(t[warmup:]) for t in times.values())
+        ms = {way: statistics.median(t[warmup:]) * 1e3 for way, t in times.items()}
         fused = sum(m.ops.whole_layer(layer, 1) is not None for layer in m.decoder.layers)
-        print(f"  {name}: each layer one call {whole * 1e3:.1f}, op by op {by_op * 1e3:.1f} ({whole / by_op:.2f}x); "
-              f"{fused} of {len(m.decoder.layers)} layers run as one call at one row")
+        print(f"  {name}: the layers in one call {ms['one call']:.1f}, a call per layer {ms['a call per layer']:.1f}, "
+              f"op by op {ms['op by op']:.1f} ({ms['one call'] / ms['a call per layer']:.3f}x and "
+              f"{ms['one call'] / ms['op by op']:.2f}x); {fused} of {len(m.decoder.layers)} layers run whole at one row")
 
 
 def _op_by_op():
     """Every layer op by op (no whole-layer native call)."""
     return mock.patch.object(NativeLayerOps, "whole_layer", staticmethod(lambda layer, rows: None))
+
+
+def _call_per_layer():
+    """Each whole layer its own native call (decoder_layers_ of one layer), as before consecutive
+    layers shared one."""
+    run = NativeLayerOps.decoder_layers
+
+    def per_layer(self, calls, h, x, *rest):
+        for call in calls:
+            x = run(self, [call], h, x, *rest)
+        return x
+
+    return mock.patch.object(NativeLayerOps, "decoder_layers", per_layer)
 
 
 @contextmanager
