@@ -1,5 +1,5 @@
-"""bench native's `layers` section: both ways of running a layer timed in turns, the layers that ran
-as one call counted, and the op-by-op switch put back afterwards; the drafter section's half blocks,
+"""bench native's `layers` section: the three ways of running the layers timed in turns, the layers
+that ran whole counted, and the switches put back afterwards; the drafter section's half blocks,
 its turns and the bytes a one-row forward reads."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from specav.bench import native as bench_native
-from specav.models import native
+from specav.models import native, quant_choice
 from specav.models.layer_ops import NativeLayerOps
 from specav.models.quant import QuantizedLinear, load_quantized, quantized_nbytes
 from specav.models.quant_kernels import KQuantWeight
@@ -38,13 +38,15 @@ def test_layer_calls_times_three_ways_and_counts_the_layers(tmp_path, capsys, mo
     assert sorted(calls) == sorted([(0, 1)] * (3 + warmup) + [(0,), (1,)] * (3 + warmup))
 
 
-def test_a_drafter_whose_width_ends_in_half_a_block_computes_the_same_with_the_zero_halves_read(tmp_path):
+def test_a_drafter_whose_width_ends_in_half_a_block_computes_the_same_with_the_zero_halves_read(tmp_path, monkeypatch):
     """A drafter of hidden size 384 (1.5 blocks, as the packaged drafter's 896 is 3.5) in `auto`: its
     K = 384 weights, requantised to Q4_K, are packed without their last blocks' zero halves; with
     those halves read again (bench native's comparison) its logits are the same bit for bit, every
     row count, and half_blocks leaves the packed layout in place."""
     if not native.available():
         pytest.skip(f"no native kernels: {native.unavailable_reason()}")
+    monkeypatch.setattr(quant_choice, "measure", lambda candidates: {  # kquant_x8 measured faster: its half blocks
+        k: {"kquant": [1.0, 4.0, 9.0, 9.0], "kquant_x8": [0.9, 2.0, 9.0, 9.0]}[k] for k in candidates})
     model = load_quantized(write_tiny_gguf(tmp_path / "tiny.gguf", hidden=384), "auto", None, role="drafter")
     model.threads = None
     layouts = bench_native.HalfBlockLayouts(model)

@@ -724,11 +724,16 @@ def test_whole_model_matches_transformers_dequantised_forward(tmp_path, monkeypa
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
-def test_drafter_runs_every_layer_natively(tmp_path, arch):
-    """A drafter in auto: its Q5_0 / Q8_0 layers requantised to Q4_K, every linear on the native
-    kernel up to DRAFTER_NATIVE_ROWS rows (the head at every row count: kquant_x8 where N % 8 == 0,
-    else kquant), int8dyn beyond; q/k/v and gate/up fused; logits still close to the file's own
-    weights' whichever kernels run."""
+def test_drafter_runs_every_layer_natively(tmp_path, monkeypatch, arch):
+    """A drafter in auto: its Q5_0 / Q8_0 layers requantised to Q4_K, every linear on a native
+    kernel up to DRAFTER_NATIVE_ROWS rows (the head at every row count: here kquant_x8, measured
+    faster, where it lays the weight out, else kquant), int8dyn beyond; q/k/v and gate/up fused;
+    logits still close to the file's own weights' whichever kernels run."""
+    import specav.models.quant_choice as choice
+
+    monkeypatch.setattr(choice, "measure", lambda candidates: {k: {"kquant": [0.5, 9.0, 9.0, 9.0],
+                                                                   "kquant_x8": [0.4, 2.0, 2.0, 2.0]}[k]
+                                                               for k in candidates})
     path = write_tiny_gguf(tmp_path / "tiny.gguf", arch)
     ids = torch.randint(2, VOCAB, (12,), generator=torch.Generator().manual_seed(0)).tolist()
     reference = transformers_logits(path, ids)  # [12, V]
@@ -749,6 +754,28 @@ def test_drafter_runs_every_layer_natively(tmp_path, arch):
         logits = torch.cat([model.forward([ids[i:i + step]], [cache], [step]).logits for i in range(0, 12, step)])
         error = ((logits - reference).norm() / reference.norm()).item()
         assert error < WHOLE_MODEL_TOLERANCE["drafter"], f"{arch} drafter, {step} at a time: relative logit error {error:.4f}"
+
+
+def test_drafter_takes_the_faster_whole_layer_kernel_at_its_row_counts(tmp_path, monkeypatch):
+    """NativeDrafter runs, per shape, the faster of kquant and kquant_x8 at one and four rows
+    (relative to the faster at each), measured once and kept in the kernel profile."""
+    import specav.models.quant_choice as choice
+
+    if not native.available():
+        pytest.skip(f"no native kernels: {native.unavailable_reason()}")
+    profiles = iter([{"kquant": [1.0, 4.0, 9.0, 9.0], "kquant_x8": [1.2, 2.0, 9.0, 9.0]},  # x8: 1.2 + 1.0 < 1.0 + 2.0
+                     {"kquant": [1.0, 2.2, 9.0, 9.0], "kquant_x8": [1.2, 2.0, 9.0, 9.0]}])  # kquant: 1.0 + 1.1 < 1.2 + 1.0
+    measured = []
+    monkeypatch.setattr(choice, "measure", lambda candidates: measured.append(set(candidates)) or next(profiles))
+    policy = choice.NativeDrafter(tmp_path / "kernel-profile.json")
+    q4k = random_weight(T.Q4_K, n=64, k=512)
+    assert policy.plan(q4k).kernels == ("kquant_x8", "int8dyn") and policy.plan(q4k, head=True).kernels == ("kquant_x8",)
+    assert policy.plan(random_weight(T.Q4_K, n=72, k=512)).kernels == ("kquant", "int8dyn")
+    assert measured == [{"kquant", "kquant_x8"}] * 2  # once per shape
+    assert choice.NativeDrafter(tmp_path / "kernel-profile.json").plan(q4k).kernels[0] == "kquant_x8"  # kept
+    assert measured == [{"kquant", "kquant_x8"}] * 2
+    monkeypatch.setattr(choice, "measure", lambda candidates: {k: [1.0, 1.0, 1.0, 1.0] for k in candidates})
+    assert policy.plan(random_weight(T.Q6_K, n=64, k=512)).kernels == ("kquant", "int8dyn")  # kquant_x8: Q4_K only
 
 
 def test_fused_projections_equal_separate_ones(tmp_path):

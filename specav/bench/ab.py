@@ -62,9 +62,8 @@ class Worker:
     def __init__(self, tree: Path, dtype: str, threads: int, role: str, max_rows: int) -> None:
         env = {**os.environ, "PYTHONPATH": str(tree)}
         self.tree = tree
-        self.proc = subprocess.Popen([sys.executable, "-c", WORKER, str(threads), dtype, role, str(max_rows)], cwd=tree,
-                                     env=env,
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen([sys.executable, "-c", WORKER, str(threads), dtype, role, str(max_rows)],
+                                     cwd=tree, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self.hello = self._read()
 
     def ask(self, **cmd) -> dict:

@@ -15,9 +15,10 @@ kernel profile that `auto` chooses from.
   in `<cache>/kernel-profile.json` under a key naming the CPU, the torch version and the
   native kernels' build (variant and source hash; delete the file to measure again);
   `profile()` returns them.
-- `auto` for a drafter (`NativeDrafter`, where the native kernels run): every layer on the native
-  kernel (kquant_x8 where it lays the weight out, else kquant), the file's Q5_0 / Q8_0 weights
-  requantised to Q4_K at load (drafter precision never touches losslessness); nothing is measured.
+- `auto` for a drafter (`NativeDrafter`, where the native kernels run): every layer on a native
+  kernel of the whole-layer call (kquant or kquant_x8, the faster at one and four rows, measured
+  and kept as the target's are), int8dyn beyond 8 rows, the file's Q5_0 / Q8_0 weights
+  requantised to Q4_K at load (drafter precision never touches losslessness).
 
 Why one thread: on a shared 2-core machine, a 2-thread kernel call of about a millisecond
 waits for a descheduled thread most of the time, so 2-thread timings come out as
@@ -55,7 +56,7 @@ from specav.models import native
 from specav.models.cache import atomic_write, write_error
 from specav.models.native.probe import cpu_model
 from specav.models.quant_formats import GGUFWeight, requantize_q4_k
-from specav.models.quant_kernels import KERNELS, Int4Weight, KQuantWeight, KQuantX8Weight, PackedWeight
+from specav.models.quant_kernels import KERNELS, Int4Weight, KQuantWeight, PackedWeight
 
 ROW_BUCKETS = (1, 4, 16, 64)
 _PASSES = (4, 3)  # repeats per pass: 7 samples of each (kernel, rows), in two bursts seconds apart
@@ -102,7 +103,8 @@ class FixedRule:
         return KernelPlan((1,), (kernel,))
 
 
-DRAFTER_NATIVE_ROWS = 8  # a drafter's layers run kquant up to this many rows, int8dyn beyond
+DRAFTER_NATIVE_ROWS = 8  # a drafter's layers run the native kernels up to this many rows, int8dyn beyond
+DRAFTER_KERNELS = ("kquant", "kquant_x8")  # the whole-layer call's: the faster runs a drafter's layer (NativeDrafter)
 
 
 REQUANTIZED_DIR = "requantized"  # under the cache root: drafter weights requantised to Q4_K (NativeDrafter)
@@ -142,6 +144,7 @@ class NativeDrafter:
         self.cache_dir = None if cache_path is None else Path(cache_path).parent / REQUANTIZED_DIR / native.build_key()
         self._pruned = False  # other builds' sets are removed at this policy's first write
         self._warned = False  # a cache that cannot be written is said once
+        self._choice = MeasuredChoice(cache_path, candidates=DRAFTER_KERNELS)  # kept beside the target's times
 
     def convert(self, weight: GGUFWeight) -> GGUFWeight:
         if weight.qtype in KQuantWeight.exact_types and weight.shape[1] % 256 == 0:
@@ -170,11 +173,15 @@ class NativeDrafter:
         return q4k
 
     def plan(self, weight: GGUFWeight, head: bool = False) -> KernelPlan:
-        """kquant_x8 where it lays the weight out (Q4_K, N % 8 == 0: every layer and the head of the
-        packaged drafter), else kquant. On the Zen 4 EPYC (docs/quantized.md) the drafter's forward
-        took 0.97-1.02x kquant's time at one row and 0.87x / 0.81x at 2 / 4 rows (several requests
-        drafting at once, a catch-up)."""
-        kernel = "kquant_x8" if KQuantX8Weight.fits(weight.qtype, weight.shape) else "kquant"
+        """The faster of the whole-layer call's kernels (DRAFTER_KERNELS) at the drafter's row counts,
+        one and four rows of the profile's, summed relative to the faster at each; int8dyn beyond
+        DRAFTER_NATIVE_ROWS. Measured once per machine and shape (one thread, as the target's), as
+        the AVX-512 build of kquant_x8 ran the drafter's forward 1.01x kquant's time at one row
+        and 0.87x / 0.83x / 0.76x at 2 / 4 / 8 rows on the Zen 4 EPYC (docs/quantized.md), where
+        the AVX2 build ran q/o-sized shapes 1.3x slower than kquant at one row."""
+        times = self._choice.times(weight)
+        fastest = [min(t[i] for t in times.values()) for i in (0, 1)]
+        kernel = min(times, key=lambda k: sum(times[k][i] / fastest[i] for i in (0, 1)))
         if head:
             return KernelPlan((1,), (kernel,))
         return KernelPlan((1, DRAFTER_NATIVE_ROWS ** 2), (kernel, "int8dyn"))  # nearest in log rows

@@ -8,7 +8,8 @@
 //
 // Where the MLP's linears do not run kquant at the forward's row count (the target verifying a few
 // rows runs its large linears on int8dyn), the attention half (through the post-attention norm) is
-// one call, attention_block_, and the MLP runs op by op.
+// one call, attention_block_, and the MLP runs op by op. Consecutive whole layers are one call,
+// decoder_layers_ (a one-row forward: all of them).
 //
 // It calls the very functions the per-op path calls (kquant.cpp, layers.cpp, through ops.h), in
 // the same order, on the same tensors: its results equal that path's bit for bit (tested in
