@@ -191,6 +191,13 @@ def int8dyn_matmuls(x: torch.Tensor, weights: list[Int8DynamicWeight], biases: l
     return [y if b is None else y.add_(b) for y, b in zip(outputs, biases)]
 
 
+def ends_in_first_half(k: int) -> bool:
+    """Whether a width K ends in the first half of its last 256-element block (K mod 256 in 1..128):
+    a Q4_K weight padded to whole blocks (requantize_q4_k) then holds zero weights in that block's
+    second half, which the native kernels can leave out."""
+    return 0 < k % 256 <= 128
+
+
 class KQuantWeight(PackedWeight):
     """The native kernel on Q4_K / Q6_K blocks as the file stores them. A Q4_K weight requantised
     with K padded past half a block (requantize_q4_k: the drafter's K = 896 is 3.5 blocks) keeps
@@ -218,7 +225,7 @@ class KQuantWeight(PackedWeight):
             raise ValueError(f"kquant cannot run {weight.name} ({weight.qtype.name}): "
                              f"{native.unavailable_reason() or 'only Q4_K and Q6_K'}")
         blocks = weight.blocks
-        if weight.qtype == T.Q4_K and 0 < weight.shape[1] % 256 <= 128 and blocks.shape[1] % cls.Q4_K_BYTES == 0:
+        if weight.qtype == T.Q4_K and ends_in_first_half(weight.shape[1]) and blocks.shape[1] % cls.Q4_K_BYTES == 0:
             blocks = np.ascontiguousarray(blocks[:, :-cls.HALF_BYTES])  # the half block's zero half, left unread
         return cls(weight.qtype, torch.from_numpy(blocks), weight.shape, ops if ops is not None else native.ops())
 
@@ -272,6 +279,7 @@ class KQuantX8Weight(KQuantWeight):
     exact_types = frozenset({T.Q4_K})
     NATIVE_TYPE = 112  # kquant.cpp's kQ4KX8
     GROUP_BYTES, HALF_GROUP_BYTES = 1184, 672  # 8 features' block; its half (codes of sub-blocks 0-3)
+    SCALE_BYTES = 160  # a group's block ends in its scales: sc 64, m 64, d 16, dmin 16
 
     @classmethod
     def fits(cls, qtype: T, shape: tuple[int, int]) -> bool:
@@ -298,7 +306,7 @@ class KQuantX8Weight(KQuantWeight):
     def whole_blocks(self) -> torch.Tensor:
         if not self.ends_in_half_block:
             return self.blocks
-        codes = self.blocks.shape[1] - (self.HALF_GROUP_BYTES - 512)  # the last block's scales follow its codes
+        codes = self.blocks.shape[1] - self.SCALE_BYTES  # the last block's scales follow its codes
         zeros = self.blocks.new_zeros(self.blocks.shape[0], self.GROUP_BYTES - self.HALF_GROUP_BYTES)
         return torch.cat([self.blocks[:, :codes], zeros, self.blocks[:, codes:]], 1)
 
@@ -327,7 +335,7 @@ def interleave_q4_k(weight: GGUFWeight) -> np.ndarray:
     nibbles = nibbles.reshape(g, nb, 1024)
     scales = np.concatenate([sc.astype(np.uint8).reshape(g, nb, 64), m.astype(np.uint8).reshape(g, nb, 64),
                              d.reshape(g, nb, 32)], axis=2)  # [g, nb, 160]
-    if not 0 < k % 256 <= 128:
+    if not ends_in_first_half(k):
         return np.ascontiguousarray(np.concatenate([nibbles, scales], axis=2).reshape(g, nb * 1184))
     whole = np.concatenate([nibbles[:, :-1], scales[:, :-1]], axis=2).reshape(g, (nb - 1) * 1184)
     return np.ascontiguousarray(np.concatenate([whole, nibbles[:, -1, :512], scales[:, -1]], axis=1))

@@ -210,10 +210,6 @@ void x8_tile(const uint8_t* w, int64_t b0, int64_t b1, int64_t nb, bool half, co
   for (int r = 0; r < R; ++r) _mm256_storeu_ps(out[r], _mm256_add_ps(acc[r], vb));
 }
 
-}  // namespace
-
-namespace {
-
 // Quantises one 256-element block (src may be shorter: `valid` elements, the rest zero).
 void quantize_block(const float* src, int64_t valid, int8_t* dst, float* d_out) {
   alignas(32) float padded[kBlock];
@@ -341,7 +337,6 @@ void x8_matmuls(const Activations& a, int64_t rows, const std::vector<int64_t>& 
     }
   });
 }
-
 
 }  // namespace
 
