@@ -14,7 +14,7 @@ from specav.models.quant import QuantizedLinear, load_quantized, quantized_nbyte
 from specav.models.quant_kernels import KQuantWeight
 from specav.models.threads import ThreadChoice
 from specav.models.vocab_subset import set_head, subset_head
-from tests.test_quant import FFN, HEADS, HIDDEN, KV_HEADS, LAYERS, VOCAB, write_tiny_gguf
+from tests.test_quant import FFN, HEADS, HIDDEN, KV_HEADS, LAYERS, VOCAB, fake_measure, write_tiny_gguf
 
 
 def test_layer_calls_times_three_ways_and_counts_the_layers(tmp_path, capsys, monkeypatch):
@@ -86,12 +86,15 @@ def test_in_turns_alternates_the_settings_and_leaves_the_warmup_out():
     assert t == {"a": 2.0, "b": 6.0}  # medians of the turns after the warm-up
 
 
-def test_one_row_bytes_counts_the_one_row_kernels_weights_and_a_subset_heads_rows(tmp_path):
+def test_one_row_bytes_counts_the_one_row_kernels_weights_and_a_subset_heads_rows(tmp_path, monkeypatch):
     """What a one-row forward reads: not the embedding, not a second packing of a weight for other
     row counts; a vocabulary-subset head reads its rows only (the drafter section's byte ratios);
-    and the multiply-adds of a row in the linears (the forward section's arithmetic floor)."""
+    and the multiply-adds of a row in the linears (the forward section's arithmetic floor). The
+    kernel times are fixed (fake_measure: one kernel at one row, int8dyn beyond), not measured: a
+    plan with two kernels a layer must not hang on this machine's timings."""
     if not native.available():
         pytest.skip(f"no native kernels: {native.unavailable_reason()}")
+    monkeypatch.setattr(quant_choice, "measure", fake_measure)
     path = write_tiny_gguf(tmp_path / "tiny.gguf")
     model = load_quantized(path, "auto", None, role="target")
     linears = [m for m in model.hf_model.modules() if isinstance(m, QuantizedLinear)]
@@ -117,3 +120,11 @@ def test_the_arithmetic_floor_is_rows_times_the_multiply_adds_at_the_peak_or_one
     assert bench_native.arithmetic_floor(1e-3, 5, 10**6, 1e9) == pytest.approx(5.0)
     assert bench_native.arithmetic_floor(1e-3, 16, 10**6, 4e9) == pytest.approx(4.0)
     assert bench_native.arithmetic_floor(1e-3, 5, 10**6, 1e10) == 1.0  # the pass over the weights bounds it
+
+
+def test_the_read_rate_is_a_plausible_rate_and_leaves_the_thread_count(monkeypatch):
+    monkeypatch.setattr(bench_native, "READ_BYTES", 64 << 20)
+    saved = torch.get_num_threads()
+    rate = bench_native.read_rate(threads=1, repeats=2)
+    assert 1e8 < rate < 1e12  # bytes a second: between 0.1 GB/s and 1 TB/s
+    assert torch.get_num_threads() == saved
