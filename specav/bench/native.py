@@ -18,7 +18,8 @@ section ends with how many cores other processes kept busy meanwhile, bench/load
   <= 2x), beside the floor of those ratios at the variant's arithmetic rate on --threads threads at
   once (their multiply-adds in the linears at that rate, against this run's one-row forward); and
   the one-row forward against the time its weights take to read at the machine's read rate on
-  --threads threads (torch's amax over 512 MiB, best of --repeats): the floor of a decoding step;
+  --threads threads (torch's amax over 512 MiB, in turns with the forward, medians of 10 x
+  --repeats): the floor of a decoding step;
 - schedule: the k-quant kernel under each schedule (native/schedule.py), as the schedule's own
   measurement times it (ms per call, one thread, cache-cold), and the same forwards as above, the
   schedules in turns; which one this machine runs;
@@ -77,7 +78,7 @@ FORWARD_ROWS = (1, 5, 16)
 SCHEDULE_ROWS = (1, 2, 5, 16)  # 2: one drafted slot, where kquant runs every layer
 CONTEXT = 128
 PEAK_ITERATIONS = 2_000_000  # int8_peak: 768 M multiply-adds, tens of ms
-READ_BYTES, READ_WARMUP = 512 << 20, 5  # read_rate's tensor and its passes before it is timed
+READ_BYTES, READ_WARMUP = 512 << 20, 5  # read_pass's tensor and its passes before it is timed
 _FLUSH = torch.zeros(64 << 18)  # 64 MiB, past the last-level cache
 
 
@@ -109,20 +110,16 @@ def kernel_table(repeats: int) -> None:
     print(f"  ({load})")
 
 
-def read_rate(threads: int, repeats: int) -> float:
-    """Bytes a second this machine reads from memory on `threads` threads at once: torch's amax over a
-    READ_BYTES float32 tensor (past the last-level cache), best of `repeats` after READ_WARMUP passes
-    (the first passes over a new tensor read 30% slower on the Zen 4 EPYC); what a forward that
-    streams its weights from memory can reach at most."""
+def read_pass() -> Callable[[], float]:
+    """A callable timing one read of READ_BYTES from memory on torch's threads (torch's amax over a
+    float32 tensor past the last-level cache), after READ_WARMUP passes (the first passes over a new
+    tensor read 30% slower on the Zen 4 EPYC): the rate a forward that streams its weights from
+    memory can reach at most. Timed in turns with the forward: this VM's read rate swings from 25
+    to 54 GB/s within a minute on two threads."""
     x = torch.ones(READ_BYTES // 4)
-    saved = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        for _ in range(READ_WARMUP):
-            x.amax()
-        return READ_BYTES / min(_timed(x.amax) for _ in range(repeats))
-    finally:
-        torch.set_num_threads(saved)
+    for _ in range(READ_WARMUP):
+        x.amax()
+    return lambda: _timed(x.amax)
 
 
 def arithmetic_floor(one_row_seconds: float, rows: int, multiply_adds: int, peak: float) -> float:
@@ -447,10 +444,13 @@ def main(argv: list[str] | None = None) -> None:
             print(f"  the least they could be at the variant's arithmetic rate on {args.threads} threads at once "
                   f"({peak / 1e9:.1f} G multiply-adds/s, int8_peak; {macs / 1e9:.2f} G a row in the linears): "
                   + "  ".join(f"{n} rows {arithmetic_floor(one, n, macs, peak):.2f}x" for n in FORWARD_ROWS[1:]))
-        rate, weights = read_rate(args.threads, max(args.repeats, 10)), one_row_bytes(target)
-        print(f"  one row reads {weights / 1e6:.0f} MB of weights: {weights / rate * 1e3:.1f} ms at this machine's read "
-              f"rate on {args.threads} threads ({rate / 1e9:.1f} GB/s, read_rate); the one-row forward took "
-              f"{one * rate / weights:.2f}x that")
+        with foreign_load() as read_load:
+            t = in_turns({"forward": one_row(target), "read": read_pass()}, 10 * args.repeats)
+        rate, weights = READ_BYTES / t["read"], one_row_bytes(target)
+        print(f"  one row reads {weights / 1e6:.0f} MB of weights; in turns with the one-row forward "
+              f"({t['forward'] * 1e3:.1f} ms, median of {10 * args.repeats}), the machine read {rate / 1e9:.1f} GB/s "
+              f"on {args.threads} threads (read_pass, median), at which the weights take {weights / rate * 1e3:.1f} ms: "
+              f"the forward took {t['forward'] * rate / weights:.2f}x that ({read_load})")
         print(f"  ({load})")
     if "drafter" in models:
         with foreign_load() as load:
