@@ -300,6 +300,21 @@ def test_kquant_x8_rows_are_batch_invariant_and_fused_calls_split(native_ops):
         assert torch.equal(y, w.matmul(x, b))
 
 
+def test_kquant_x8_runs_a_k_too_long_for_the_l2_cache_in_segments(native_ops):
+    """Where a tile's activations would not fit the L2 cache's share (512 KiB: 341 blocks for
+    AVX-512's tiles of 6 rows, 1,024 for AVX2's of 2), K runs in segments, the partial sums kept
+    between them: here K = 1,032 blocks, the rows equal their one-row calls (no segments) bit for
+    bit, and the float64 emulation."""
+    k = 1032 * 256
+    weight = random_weight(T.Q4_K, n=16, k=k, seed=3)
+    packed = KQuantX8Weight.pack(weight, ops=native_ops)
+    x = torch.randn(7, k, generator=torch.Generator().manual_seed(3))
+    y = packed.matmul(x)  # a tile of 6 rows in segments, then one row
+    assert torch.equal(y, torch.cat([packed.matmul(x[i:i + 1]) for i in range(7)]))
+    expected = int8_reconstruction(native_ops, x, k) @ dequantize(weight).double().t()
+    assert ((y.double() - expected).norm() / expected.norm()).item() < 1e-5
+
+
 def test_kquant_x8_takes_only_what_it_can_lay_out():
     assert KERNELS["kquant_x8"].fits(T.Q4_K, (8960, 1536)) == native.available()
     assert KERNELS["kquant_x8"].fits(T.Q4_K, (4864, 896)) == native.available()  # the drafter's, K padded

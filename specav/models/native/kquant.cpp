@@ -185,21 +185,27 @@ inline void x8_block(const uint8_t* w, int64_t b, const int8_t* const* xq, const
   }
 }
 
-// Every block of one group of features (w: the group's first block; `half`: its last block, nb - 1,
-// is a half block) against R rows: out[r][0..7] = the sums + bias.
+// Blocks b0 .. b1 - 1 of one group of features (w: the group's first block; `half`: its last
+// block, nb - 1, is a half block) against R rows; the rows' partial sums wait in state (8 floats
+// a row) between segments of blocks; after the last block, out[r][0..7] = the sums + bias.
 template <int R>
-void x8_tile(const uint8_t* w, int64_t nb, bool half, const int8_t* const* xq, const float* const* dx,
-             const int16_t* const* s32, float* const* out, const float* bias) {
+void x8_tile(const uint8_t* w, int64_t b0, int64_t b1, int64_t nb, bool half, const int8_t* const* xq,
+             const float* const* dx, const int16_t* const* s32, float* state, float* const* out, const float* bias) {
   __m256 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  const int64_t full_end = half ? nb - 1 : nb;
-  for (int64_t b = 0; b < full_end; ++b, w += kX8Bytes) {
+  for (int r = 0; r < R; ++r) acc[r] = b0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(state + 8 * r);
+  const int64_t full_end = half && b1 == nb ? nb - 1 : b1;
+  w += b0 * kX8Bytes;
+  for (int64_t b = b0; b < full_end; ++b, w += kX8Bytes) {
     // The weights 2 KiB ahead, non-temporal: they pass through the L1 cache once and leave the rows'
     // activations there (a prefetch into every level, kquant's, did not help here).
     for (int64_t o = 0; o < kX8Bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(w) + 2048 + o, _MM_HINT_NTA);
     x8_block<R, 8>(w, b, xq, dx, s32, acc);
   }
-  if (half) x8_block<R, 4>(w, nb - 1, xq, dx, s32, acc);
+  if (full_end < b1) x8_block<R, 4>(w, nb - 1, xq, dx, s32, acc);
+  if (b1 < nb) {
+    for (int r = 0; r < R; ++r) _mm256_storeu_ps(state + 8 * r, acc[r]);
+    return;
+  }
   const __m256 vb = bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
   for (int r = 0; r < R; ++r) _mm256_storeu_ps(out[r], _mm256_add_ps(acc[r], vb));
 }
@@ -293,36 +299,44 @@ void x8_matmuls(const Activations& a, int64_t rows, const std::vector<int64_t>& 
   const int8_t* xq = a.xq.data_ptr<int8_t>();
   const float* dx = a.dx.data_ptr<float>();
   const int16_t* sp = a.xs32i.data_ptr<int16_t>();  // adjacent pairs of 32-code sums: the min term's dot2
-  // Chunks of kX8Chunk feature groups, weight by weight, each thread a contiguous run of them (the
-  // weights stream in order), each group's whole K at once, its weights prefetched 2 KiB ahead as
-  // non-temporal (x8_tile): with a long K (8960) the weights streaming through the L1 cache
-  // otherwise evicted the activations, and 2 rows took twice the time of one. K is not split in
-  // segments whose activations would fit the L1 cache (kquant's schedule bit 2): passing over a
-  // chunk's groups a segment at a time reads 8 interleaved streams of weights, and on the Zen 4
-  // EPYC the down projection (K = 8960) took 1.1-1.3x the time of whole rows at 2-8 rows
-  // (docs/quantized.md). Each row's blocks are summed in the same order whatever the tiles.
-  constexpr int64_t kX8Chunk = 8;
+  // Chunks of kX8Chunk feature groups, weight by weight, each thread a contiguous run of them, and
+  // the weights prefetched 2 KiB ahead as non-temporal (x8_tile): with a long K (8960) the weights
+  // streaming through the L1 cache otherwise evicted the activations, and 2 rows took twice the
+  // time of one. K runs in segments of blocks only where a tile's activations would not fit the
+  // L2 cache (kX8SegmentBytes), each segment passing over the chunk's groups, the rows' partial
+  // sums waiting in `state` between segments: segments sized for the L1 cache (16 KiB) read a
+  // chunk's weights as 8 interleaved streams, and on the Zen 4 EPYC the down projection (K = 8960)
+  // took 1.1-1.3x the time of whole rows at 2-8 rows (docs/quantized.md); from the L2 cache the
+  // activations keep up. Each row's blocks are summed in the same order whatever the tiles and
+  // segments.
+  constexpr int64_t kX8Chunk = 8, kX8SegmentBytes = 512 * 1024;
   std::vector<std::array<int64_t, 3>> chunks;
   for (const int64_t i : which)
     for (int64_t g = 0; g < ns[i] / kX8Features; g += kX8Chunk) chunks.push_back({i, g, std::min(ns[i] / kX8Features, g + kX8Chunk)});
+  const int64_t seg = std::max<int64_t>(1, kX8SegmentBytes / (std::min<int64_t>(rows, kTileX8) * kBlock));
   parallel_runs(static_cast<int64_t>(chunks.size()), [&](int64_t begin, int64_t end) {
+    std::vector<float> state(seg < nb ? kX8Chunk * rows * 8 : 0);
     for (int64_t c = begin; c < end; ++c) {
       const auto [i, g0, g1] = chunks[c];
-      for (int64_t g = g0; g < g1; ++g) {
-        for_tiles<kTileX8>(rows, [&](auto tile, int64_t r0) {
-          constexpr int R = decltype(tile)::value;
-          const int8_t* xr[R];
-          const float* dr[R];
-          const int16_t* sr[R];
-          float* out[R];
-          for (int r = 0; r < R; ++r) {
-            xr[r] = xq + (r0 + r) * a.kp;
-            dr[r] = dx + (r0 + r) * nb;
-            sr[r] = sp + (r0 + r) * (a.kp / 32);
-            out[r] = yp[i] + (r0 + r) * ns[i] + g * kX8Features;
-          }
-          x8_tile<R>(wp[i] + g * row_bytes[i], nb, half[i], xr, dr, sr, out, bp[i] ? bp[i] + g * kX8Features : nullptr);
-        });
+      for (int64_t b0 = 0; b0 < nb; b0 += seg) {
+        const int64_t b1 = std::min(nb, b0 + seg);
+        for (int64_t g = g0; g < g1; ++g) {
+          for_tiles<kTileX8>(rows, [&](auto tile, int64_t r0) {
+            constexpr int R = decltype(tile)::value;
+            const int8_t* xr[R];
+            const float* dr[R];
+            const int16_t* sr[R];
+            float* out[R];
+            for (int r = 0; r < R; ++r) {
+              xr[r] = xq + (r0 + r) * a.kp;
+              dr[r] = dx + (r0 + r) * nb;
+              sr[r] = sp + (r0 + r) * (a.kp / 32);
+              out[r] = yp[i] + (r0 + r) * ns[i] + g * kX8Features;
+            }
+            x8_tile<R>(wp[i] + g * row_bytes[i], b0, b1, nb, half[i], xr, dr, sr, state.data() + ((g - g0) * rows + r0) * 8, out,
+                       bp[i] ? bp[i] + g * kX8Features : nullptr);
+          });
+        }
       }
     }
   });
