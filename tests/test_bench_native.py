@@ -14,7 +14,7 @@ from specav.models.quant import QuantizedLinear, load_quantized, quantized_nbyte
 from specav.models.quant_kernels import KQuantWeight
 from specav.models.threads import ThreadChoice
 from specav.models.vocab_subset import set_head, subset_head
-from tests.test_quant import FFN, HEADS, HIDDEN, KV_HEADS, LAYERS, VOCAB, fake_measure, write_tiny_gguf
+from tests.test_quant import FFN, HEADS, HIDDEN, KV_HEADS, LAYERS, VOCAB, fake_measure, fixed_measure, write_tiny_gguf
 
 
 def test_layer_calls_times_three_ways_and_counts_the_layers(tmp_path, capsys, monkeypatch):
@@ -45,8 +45,8 @@ def test_a_drafter_whose_width_ends_in_half_a_block_computes_the_same_with_the_z
     row count, and half_blocks leaves the packed layout in place."""
     if not native.available():
         pytest.skip(f"no native kernels: {native.unavailable_reason()}")
-    monkeypatch.setattr(quant_choice, "measure", lambda candidates: {  # kquant_x8 measured faster: its half blocks
-        k: {"kquant": [1.0, 4.0, 9.0, 9.0], "kquant_x8": [0.9, 2.0, 9.0, 9.0]}[k] for k in candidates})
+    monkeypatch.setattr(quant_choice, "measure",  # kquant_x8 measured faster: its half blocks
+                        fixed_measure({"kquant": [1.0, 4.0, 9.0, 9.0], "kquant_x8": [0.9, 2.0, 9.0, 9.0]}))
     model = load_quantized(write_tiny_gguf(tmp_path / "tiny.gguf", hidden=384), "auto", None, role="drafter")
     model.threads = None
     layouts = bench_native.HalfBlockLayouts(model)

@@ -706,11 +706,14 @@ def transformers_logits(path, ids: list[int]) -> torch.Tensor:
         return model(torch.tensor([ids]), use_cache=False).logits[0].float()  # [S, V]
 
 
-def fake_measure(candidates):
-    """kquant or int4 fastest at 1 row (where they can run), int8dyn beyond: layers mix kernels by row count."""
-    fast = {"kquant": [0.5, 9, 9, 9], "int4": [1, 9, 9, 9], "int8": [2, 9, 9, 9], "int8dyn": [9, 1, 1, 1],
-            "kquant_x8": [3, 2, 2, 2]}
-    return {k: [float(t) for t in fast[k]] for k in candidates}
+def fixed_measure(table: dict[str, list[float]]):
+    """A stand-in for quant_choice.measure: each candidate's times from `table` (ms at ROW_BUCKETS)."""
+    return lambda candidates: {k: [float(t) for t in table[k]] for k in candidates}
+
+
+# kquant or int4 fastest at 1 row (where they can run), int8dyn beyond: layers mix kernels by row count.
+fake_measure = fixed_measure({"kquant": [0.5, 9, 9, 9], "int4": [1, 9, 9, 9], "int8": [2, 9, 9, 9],
+                              "int8dyn": [9, 1, 1, 1], "kquant_x8": [3, 2, 2, 2]})
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
@@ -746,9 +749,7 @@ def test_drafter_runs_every_layer_natively(tmp_path, monkeypatch, arch):
     logits still close to the file's own weights' whichever kernels run."""
     import specav.models.quant_choice as choice
 
-    monkeypatch.setattr(choice, "measure", lambda candidates: {k: {"kquant": [0.5, 9.0, 9.0, 9.0],
-                                                                   "kquant_x8": [0.4, 2.0, 2.0, 2.0]}[k]
-                                                               for k in candidates})
+    monkeypatch.setattr(choice, "measure", fixed_measure({"kquant": [0.5, 9.0, 9.0, 9.0], "kquant_x8": [0.4, 2.0, 2.0, 2.0]}))
     path = write_tiny_gguf(tmp_path / "tiny.gguf", arch)
     ids = torch.randint(2, VOCAB, (12,), generator=torch.Generator().manual_seed(0)).tolist()
     reference = transformers_logits(path, ids)  # [12, V]
@@ -789,7 +790,7 @@ def test_drafter_takes_the_faster_whole_layer_kernel_at_its_row_counts(tmp_path,
     assert measured == [{"kquant", "kquant_x8"}] * 2  # once per shape
     assert choice.NativeDrafter(tmp_path / "kernel-profile.json").plan(q4k).kernels[0] == "kquant_x8"  # kept
     assert measured == [{"kquant", "kquant_x8"}] * 2
-    monkeypatch.setattr(choice, "measure", lambda candidates: {k: [1.0, 1.0, 1.0, 1.0] for k in candidates})
+    monkeypatch.setattr(choice, "measure", fixed_measure({"kquant": [1.0] * 4}))
     assert policy.plan(random_weight(T.Q6_K, n=64, k=512)).kernels == ("kquant", "int8dyn")  # kquant_x8: Q4_K only
 
 

@@ -180,8 +180,8 @@ class NativeDrafter:
         and 0.87x / 0.83x / 0.76x at 2 / 4 / 8 rows on the Zen 4 EPYC (docs/quantized.md), where
         the AVX2 build ran q/o-sized shapes 1.3x slower than kquant at one row."""
         times = self._choice.times(weight)
-        fastest = [min(t[i] for t in times.values()) for i in (0, 1)]
-        kernel = min(times, key=lambda k: sum(times[k][i] / fastest[i] for i in (0, 1)))
+        cost = relative_cost(times, (0, 1))
+        kernel = min(times, key=lambda k: cost([k, k]))
         if head:
             return KernelPlan((1,), (kernel,))
         return KernelPlan((1, DRAFTER_NATIVE_ROWS ** 2), (kernel, "int8dyn"))  # nearest in log rows
@@ -245,6 +245,13 @@ SECOND_KERNEL_GAIN = 1.1  # a second kernel takes a row count only where it is >
 ONE_ROW_KQUANT_WITHIN = 1.5  # at one row, kquant (or kquant_x8) runs where within this factor of the fastest
 
 
+def relative_cost(times: dict[str, list[float]], buckets) -> Callable[[list[str]], float]:
+    """The cost of running kernels[j] at row bucket buckets[j] (indices into the times' lists): each
+    kernel's time relative to the fastest kernel's at that bucket, summed."""
+    fastest = {i: min(t[i] for t in times.values()) for i in buckets}
+    return lambda kernels: sum(times[k][i] / fastest[i] for k, i in zip(kernels, buckets))
+
+
 def plan_from_times(times: dict[str, list[float]]) -> KernelPlan:
     """At most two kernels: the main one (smallest total of times relative to the fastest at
     each row count) and the one second kernel that lowers that total most.
@@ -260,11 +267,7 @@ def plan_from_times(times: dict[str, list[float]]) -> KernelPlan:
     times: kernel -> milliseconds at each of ROW_BUCKETS.
     """
     buckets = range(len(ROW_BUCKETS))
-    fastest = [min(t[i] for t in times.values()) for i in buckets]
-
-    def cost(kernels) -> float:
-        return sum(times[k][i] / fastest[i] for k, i in zip(kernels, buckets))
-
+    cost = relative_cost(times, buckets)
     main = min(times, key=lambda k: cost([k] * len(ROW_BUCKETS)))
     plans = [[main] * len(ROW_BUCKETS)] + [
         [alt if times[main][i] > SECOND_KERNEL_GAIN * times[alt][i] else main for i in buckets]
@@ -273,7 +276,8 @@ def plan_from_times(times: dict[str, list[float]]) -> KernelPlan:
     whole_layer = [k for k in times if issubclass(KERNELS[k], KQuantWeight)]  # what KQuantLayer takes
     if whole_layer and kernels[0] not in whole_layer:
         one_row = min(whole_layer, key=lambda k: times[k][0])
-        if times[one_row][0] <= ONE_ROW_KQUANT_WITHIN * fastest[0] and len({*kernels, one_row}) <= 2:
+        within = times[one_row][0] <= ONE_ROW_KQUANT_WITHIN * min(t[0] for t in times.values())
+        if within and len({*kernels, one_row}) <= 2:
             kernels = [one_row, *kernels[1:]]
     return KernelPlan(ROW_BUCKETS, tuple(kernels))
 
