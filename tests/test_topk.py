@@ -63,8 +63,57 @@ def test_native_top_k_equals_torch_on_any_shape(rows, v, data):
     levels = data.draw(st.integers(2, 50))  # few distinct values: many ties
     g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31 - 1)))
     x = torch.randint(0, levels, (rows, v), generator=g).float() / 7
-    t = torch.tensor(data.draw(st.lists(st.sampled_from([0.0, 0.5, 1.0, 2.0]), min_size=rows, max_size=rows)))
+    temperatures = st.sampled_from([0.0, 0.5, 1.0, 2.0, 0.7, 1.3, 0.05])  # and ones whose quotients round
+    t = torch.tensor(data.draw(st.lists(temperatures, min_size=rows, max_size=rows)))
     same_as_torch(native.ops(), x, t, k)
+
+
+def test_native_top_k_on_a_subset_heads_rows(native_ops):
+    """A drafter's vocabulary-subset head (models/vocab_subset.py) gives -inf outside its subset: whole
+    chunks of the row hold fewer than k finite entries, or none."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.full((3, 151_936), -float("inf"))
+    subset = torch.randperm(60_000, generator=g)[:30_000]  # the chunks past 60k: all -inf
+    x[:, subset] = torch.randn(3, 30_000, generator=g) * 3
+    x[1, 100_000:100_005] = 1.0  # a few finite entries in an -inf chunk
+    x[2, 140_000] = 50.0  # the largest, in the last chunk
+    same_as_torch(native_ops, x, torch.tensor([0.7, 1.0, 1.3]), 20)
+    same_scan(native_ops, x, torch.tensor([0.7, 1.0, 1.3]), 20)  # and the tails, -inf vectors left out
+    x[:, :60_000] = -float("inf")  # row 1: 5 finite entries, k = 20: the rest of the top is -inf, lowest ids first
+    x[1, 3] = -float("inf")
+    same_as_torch(native_ops, x[1:], torch.tensor([1.0, 1.0]), 20)
+
+
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(1, 4), v=st.integers(1, 300), data=st.data())
+def test_native_top_k_equals_torch_on_rows_mostly_minus_inf(rows, v, data):
+    if not native.available():
+        pytest.skip(native.unavailable_reason())
+    k = data.draw(st.integers(1, v))
+    g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31 - 1)))
+    x = torch.randint(0, data.draw(st.integers(2, 20)), (rows, v), generator=g).float() / 7
+    finite = torch.rand(rows, v, generator=g) < data.draw(st.sampled_from([0.0, 0.05, 0.3, 0.9]))
+    finite[:, data.draw(st.integers(0, v - 1))] = True  # a row without a finite entry has no distribution (scan_rows)
+    x = torch.where(finite, x, torch.tensor(-float("inf")))
+    t = torch.tensor(data.draw(st.lists(st.sampled_from([1.0, 0.7, 1.3]), min_size=rows, max_size=rows)))
+    same_as_torch(native.ops(), x, t, k)
+
+
+@pytest.mark.parametrize("t", [0.7, 1.3, 3.0, 0.05])
+def test_native_top_k_where_neighbouring_floats_divide_to_one_value(native_ops, t):
+    """Runs of adjacent floats whose quotients x / t round to one value: the k-th largest of z ties
+    with entries above and below it in x, found before and after the first pass's compactions (from
+    which on an entry joins only above the k-th so far)."""
+    g = torch.Generator().manual_seed(int(t * 100))
+    rows = []
+    for start in (1.0, -2.5, 3e-39, 60.0):  # a normal, a negative, a subnormal, a large logit
+        run = [start]
+        for _ in range(4095):
+            run.append(torch.nextafter(torch.tensor(run[-1]), torch.tensor(float("inf"))).item())
+        rows.append(torch.tensor(run)[torch.randperm(4096, generator=g)])
+    x = torch.stack(rows)
+    for k in (1, 7, 20, 333):
+        same_as_torch(native_ops, x, torch.full((4,), t), k)
 
 
 def test_scan_rows_refuses_k_outside_the_row_and_falls_back_without_native(monkeypatch):
@@ -191,7 +240,7 @@ def test_native_scan_on_any_shape(rows, v, data):
     x = torch.randn(rows, v, generator=g) * data.draw(st.sampled_from([0.1, 3.0, 30.0]))
     if data.draw(st.booleans()):
         x = (x * 2).round() / 2  # ties
-    t = torch.tensor(data.draw(st.lists(st.sampled_from([0.0, 0.5, 1.0, 2.0]), min_size=rows, max_size=rows)))
+    t = torch.tensor(data.draw(st.lists(st.sampled_from([0.0, 0.5, 1.0, 2.0, 0.7, 1.3]), min_size=rows, max_size=rows)))
     same_scan(native.ops(), x, t, k)
 
 

@@ -1,12 +1,13 @@
 """Benchmark: what an engine step spends outside the two models' forwards.
 
     python -m specav.bench.step_overhead [--batches 1,8] [--k 4] [--tokens 48] [--threads 2] [--vocab-passes both]
-                                         [--calls]
+                                         [--calls] [--draft-vocab-size 65536]
 
 Runs the packaged pair (auto) with static K on chat prompts, temperature 0.7, top-k 20,
-top-p 0.8 (EOS ignored), timing every call of the target's and the drafter's packed forward (the
-models' thread policies having made their trial forwards first, so the forwards run as in a long
-run).
+top-p 0.8 (EOS ignored), the drafter's head as the packaged default has it (`--draft-vocab-size`,
+config.PACKAGED_SPECULATIVE; 0: the full head), timing every call of the target's and the
+drafter's packed forward (the models' thread policies having made their trial forwards first, so
+the forwards run as in a long run).
 Printed per batch size, in milliseconds per step: the whole step, the two models' forwards, and
 what is left: the drafter's per-slot work (processed distributions, sampling, features), the
 verifier's distributions, and the rest (scoring, planning, rejection sampling, commit).
@@ -30,13 +31,14 @@ import torch
 
 from specav import topk
 from specav.bench.adaptive import warm_thread_policy
-from specav.config import EngineConfig, SamplingParams, SpeculativeConfig
+from specav.config import PACKAGED_SPECULATIVE, EngineConfig, SamplingParams, SpeculativeConfig
 from specav.drafting import DraftModelDrafter
 from specav.engine.engine import Engine, eos_token_ids
 from specav.evaluation.workloads import load_workload
 from specav.models import load_checkpoint
 from specav.models.native.probe import cpu_model
 from specav.models.quant import FusedLinear, QuantizedLinear
+from specav.models.vocab_subset import apply_vocab_subset
 from specav.prompts import encode_prompt
 from specav.verification import sampling
 from specav.verification.sampling_rows import SamplingRows
@@ -193,10 +195,14 @@ def main() -> None:
     parser.add_argument("--vocab-passes", choices=("native", "torch", "both"), default="native",
                         help="the native passes over vocabulary rows (specav/topk.py) or torch's ops in their "
                              "place (both: measured in turns)")
+    parser.add_argument("--draft-vocab-size", type=int, default=PACKAGED_SPECULATIVE.draft_vocab_size or 0,
+                        help="the drafter's vocabulary-subset head (0: the full head); default: the packaged default's")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     target = load_checkpoint("default", "auto", role="target")
     drafter = load_checkpoint("default", "auto", role="drafter")
+    if args.draft_vocab_size:
+        apply_vocab_subset(drafter, args.draft_vocab_size)
     for model in (target.model, drafter.model):  # the thread policies' trial forwards, before any step is timed
         warm_thread_policy(model, max(int(b) for b in args.batches.split(",")) * (args.k + 1))
     kinds = {"native": ["native"], "torch": ["torch"], "both": ["native", "torch"]}[args.vocab_passes]
@@ -206,8 +212,9 @@ def main() -> None:
         calls[b, kind] = {} if args.calls else None
         with _vocab_passes(kind):
             rows[b, kind] = measure(target, drafter, b, args.k, args.tokens, calls[b, kind])
+    head = f"a {args.draft_vocab_size:,}-token head" if args.draft_vocab_size else "the full head"
     print(f"ms per decoding step, static K={args.k}, {args.tokens} tokens per request, {torch.get_num_threads()} "
-          f"threads, temperature 0.7 / top-k 20 / top-p 0.8, {cpu_model()}")
+          f"threads, temperature 0.7 / top-k 20 / top-p 0.8, the drafter with {head}, {cpu_model()}")
     print(f"{'':<32}" + "".join(f"{f'batch {b} {kind}':>16}" for b, kind in columns))
     for name in ("step", "target forward", "drafter forwards", "drafter outside its forwards",
                  "verifier outside the forward", "rest of the step", "outside the forwards",

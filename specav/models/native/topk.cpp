@@ -58,28 +58,39 @@ int64_t top_k_row(const float* x, int64_t v, float t, int64_t k, int64_t offset,
   std::vector<Candidate> keep;
   const size_t capacity = static_cast<size_t>(std::max<int64_t>(4 * k, 64));
   keep.reserve(capacity + 8);
+  // An entry joins `keep` where it reaches the threshold. After the first compaction `keep` holds
+  // the k first (in `before`'s order) of every entry seen, and the threshold is the k-th of them:
+  // an entry that only ties with it comes later in the row than all k, so it can never be among
+  // the k, and from then on only entries above the threshold join. Where a row is mostly -inf (a
+  // drafter's vocabulary-subset head, models/vocab_subset.py) and a chunk holds fewer than k finite
+  // entries, the threshold stays -inf: taking every -inf entry that ties with it made the scan of
+  // such a chunk several times the cost of reading it.
   float threshold = -std::numeric_limits<float>::infinity();
+  bool compacted = false;
   const __m256 tv = _mm256_set1_ps(t);
   __m256 largest = _mm256_set1_ps(-std::numeric_limits<float>::infinity()), nan = _mm256_setzero_ps();
   auto compact = [&]() {
     std::nth_element(keep.begin(), keep.begin() + (k - 1), keep.end(), before);
     threshold = keep[k - 1].first;  // the k-th largest so far
     keep.resize(k);
+    compacted = true;
   };
+  auto joins = [&](float z) { return compacted ? z > threshold : z >= threshold; };
   int64_t i = 0;
   for (; i + 8 <= v; i += 8) {
     const __m256 xv = _mm256_loadu_ps(x + i);
     largest = _mm256_max_ps(largest, xv);
     nan = _mm256_or_ps(nan, _mm256_cmp_ps(xv, xv, _CMP_UNORD_Q));
     const __m256 z = _mm256_div_ps(xv, tv);
-    int mask = _mm256_movemask_ps(_mm256_cmp_ps(z, _mm256_set1_ps(threshold), _CMP_GE_OQ));
+    const __m256 thr = _mm256_set1_ps(threshold);
+    int mask = _mm256_movemask_ps(compacted ? _mm256_cmp_ps(z, thr, _CMP_GT_OQ) : _mm256_cmp_ps(z, thr, _CMP_GE_OQ));
     if (!mask) continue;
     alignas(32) float lanes[8];
     _mm256_store_ps(lanes, z);
     while (mask) {
       const int j = __builtin_ctz(mask);
       mask &= mask - 1;
-      if (lanes[j] >= threshold) keep.emplace_back(lanes[j], offset + i + j);
+      if (joins(lanes[j])) keep.emplace_back(lanes[j], offset + i + j);
     }
     if (keep.size() >= capacity) compact();
   }
@@ -91,7 +102,7 @@ int64_t top_k_row(const float* x, int64_t v, float t, int64_t k, int64_t offset,
     any_nan |= std::isnan(x[i]);
     top = std::max(top, x[i]);
     const float z = x[i] / t;
-    if (z >= threshold) keep.emplace_back(z, offset + i);
+    if (joins(z)) keep.emplace_back(z, offset + i);
   }
   *largest_x = top;
   *any_nan_x = any_nan;
@@ -123,12 +134,18 @@ void tail_row(const float* x, int64_t v, float t, float m, int64_t skip, float k
   const __m256 tv = _mm256_set1_ps(t), mv = _mm256_set1_ps(m), floor = _mm256_set1_ps(-100.0f), kv = _mm256_set1_ps(kth);
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   __m256d t0 = _mm256_setzero_pd(), t1 = _mm256_setzero_pd(), m0 = _mm256_setzero_pd(), m1 = _mm256_setzero_pd();
+  // Eight -inf entries add exactly nothing (e = 0, e d = -0, and they do not reach a finite kth):
+  // skipped, as most of a vocabulary-subset head's row is (models/vocab_subset.py).
+  const __m256 minus_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  const bool skip_minus_inf = kth > -std::numeric_limits<float>::infinity();
   int64_t count = 0, i = 0;
   while (i + 8 <= v) {
     __m256 ts = _mm256_setzero_ps(), ms = _mm256_setzero_ps();
     const int64_t end = std::min<int64_t>(v - v % 8, i + 256);
     for (; i < end; i += 8) {
-      const __m256 z = _mm256_div_ps(_mm256_loadu_ps(x + i), tv);
+      const __m256 xv = _mm256_loadu_ps(x + i);
+      if (skip_minus_inf && _mm256_movemask_ps(_mm256_cmp_ps(xv, minus_inf, _CMP_EQ_OQ)) == 0xFF) continue;
+      const __m256 z = _mm256_div_ps(xv, tv);
       count += __builtin_popcount(_mm256_movemask_ps(_mm256_cmp_ps(z, kv, _CMP_GE_OQ)));
       const __m256 d = _mm256_max_ps(_mm256_sub_ps(z, mv), floor);
       // 0 below d = -87.3, where exp8 clamps (float32's smallest normal is e^-87.34)
@@ -189,7 +206,9 @@ Scan scan(const at::Tensor& x, const float* tp, int64_t k, bool tails) {
   double* mp = moment.data_ptr<double>();
   // Each row is cut into up to kChunks chunks of a multiple of the tail pass's 256-entry blocks, a cut
   // that depends on V alone (not on the batch or the thread count), so a row's results never depend
-  // on them; the threads share the (row, chunk) items, so even one row keeps every core busy.
+  // on them; the threads take the (row, chunk) items one at a time, so even one row keeps every core
+  // busy, and a chunk that is mostly -inf (a vocabulary-subset head's high ids) costs its thread
+  // little while the other works through a dense one.
   const int64_t chunk = std::max<int64_t>((v + kChunks * 256 - 1) / (kChunks * 256) * 256, 1024);
   const int64_t chunks = (v + chunk - 1) / chunk, items = n * chunks;
   auto span = [&](int64_t c) { return std::make_pair(c * chunk, std::min(v, (c + 1) * chunk)); };
@@ -197,7 +216,7 @@ Scan scan(const at::Tensor& x, const float* tp, int64_t k, bool tails) {
   std::vector<int64_t> chunk_indices(items * found), chunk_found(items);
   std::vector<char> chunk_nan(items);
   auto temperature_of = [&](int64_t r) { return tp[r] > 0.0f ? tp[r] : 1.0f; };
-  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+  specav_native::parallel_chunks(items, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t r = item / chunks;
       const auto [lo, hi] = span(item % chunks);
@@ -231,7 +250,7 @@ Scan scan(const at::Tensor& x, const float* tp, int64_t k, bool tails) {
   }
   std::vector<double> chunk_tail(items, 0.0), chunk_moment(items, 0.0);
   std::vector<int64_t> chunk_count(items, 0);
-  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+  specav_native::parallel_chunks(items, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t r = item / chunks;
       if (bp[r]) continue;  // no distribution: the caller refuses the row, nothing more to compute
