@@ -54,17 +54,24 @@ def test_native_top_k_handles_minus_inf_and_short_rows(native_ops):
     same_as_torch(native_ops, x, torch.ones(2), 13)
 
 
+def tied_rows(data, rows: int, v: int, most_levels: int, temperatures: list[float]):
+    """Drawn rows of few distinct values (many ties), their temperatures and a k: x # [rows, v], t # [rows],
+    k, and the generator that made x (for more of the same draw)."""
+    k = data.draw(st.integers(1, v))
+    levels = data.draw(st.integers(2, most_levels))
+    g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31 - 1)))
+    x = torch.randint(0, levels, (rows, v), generator=g).float() / 7
+    t = torch.tensor(data.draw(st.lists(st.sampled_from(temperatures), min_size=rows, max_size=rows)))
+    return x, t, k, g
+
+
 @settings(max_examples=40, deadline=None)
 @given(rows=st.integers(1, 4), v=st.integers(1, 300), data=st.data())
 def test_native_top_k_equals_torch_on_any_shape(rows, v, data):
     if not native.available():
         pytest.skip(native.unavailable_reason())
-    k = data.draw(st.integers(1, v))
-    levels = data.draw(st.integers(2, 50))  # few distinct values: many ties
-    g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31 - 1)))
-    x = torch.randint(0, levels, (rows, v), generator=g).float() / 7
-    temperatures = st.sampled_from([0.0, 0.5, 1.0, 2.0, 0.7, 1.3, 0.05])  # and ones whose quotients round
-    t = torch.tensor(data.draw(st.lists(temperatures, min_size=rows, max_size=rows)))
+    # temperatures whose quotients are exact, and ones whose quotients round
+    x, t, k, _ = tied_rows(data, rows, v, 50, [0.0, 0.5, 1.0, 2.0, 0.7, 1.3, 0.05])
     same_as_torch(native.ops(), x, t, k)
 
 
@@ -88,14 +95,10 @@ def test_native_top_k_on_a_subset_heads_rows(native_ops):
 def test_native_top_k_equals_torch_on_rows_mostly_minus_inf(rows, v, data):
     if not native.available():
         pytest.skip(native.unavailable_reason())
-    k = data.draw(st.integers(1, v))
-    g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31 - 1)))
-    x = torch.randint(0, data.draw(st.integers(2, 20)), (rows, v), generator=g).float() / 7
+    x, t, k, g = tied_rows(data, rows, v, 20, [1.0, 0.7, 1.3])
     finite = torch.rand(rows, v, generator=g) < data.draw(st.sampled_from([0.0, 0.05, 0.3, 0.9]))
     finite[:, data.draw(st.integers(0, v - 1))] = True  # a row without a finite entry has no distribution (scan_rows)
-    x = torch.where(finite, x, torch.tensor(-float("inf")))
-    t = torch.tensor(data.draw(st.lists(st.sampled_from([1.0, 0.7, 1.3]), min_size=rows, max_size=rows)))
-    same_as_torch(native.ops(), x, t, k)
+    same_as_torch(native.ops(), torch.where(finite, x, torch.tensor(-float("inf"))), t, k)
 
 
 @pytest.mark.parametrize("t", [0.7, 1.3, 3.0, 0.05])

@@ -90,7 +90,7 @@ int64_t top_k_row(const float* x, int64_t v, float t, int64_t k, int64_t offset,
     while (mask) {
       const int j = __builtin_ctz(mask);
       mask &= mask - 1;
-      if (joins(lanes[j])) keep.emplace_back(lanes[j], offset + i + j);
+      keep.emplace_back(lanes[j], offset + i + j);  // the mask's test is joins(lanes[j])
     }
     if (keep.size() >= capacity) compact();
   }
